@@ -1,0 +1,114 @@
+"""python -m export --model PRESET_OR_DIR --out DIR [--kv-layout ...] [--kv-dtype ...] [--max-seq-len N]
+
+Writes DIR/model.onnx, DIR/manifest.json and the tokenizer files. Everything is written into a
+temporary sibling directory and renamed at the end, so a failure leaves nothing half-written.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvforge.manifest import KV_DTYPES, KV_LAYOUTS, Manifest, ManifestError, ModelSpec, check_layout_dtype
+from kvforge.cli import fail_cleanly, progress
+
+CHECKPOINT_CACHE = Path(os.environ.get("KVFORGE_CHECKPOINTS", "build/checkpoints"))
+
+
+def resolve_model(model: str) -> Path:
+    """A preset name becomes its materialized checkpoint directory; anything else is a path."""
+    from export.presets import PRESETS, materialize
+
+    if model in PRESETS:
+        return materialize(model, CHECKPOINT_CACHE)
+    path = Path(model)
+    if not path.exists():
+        raise ManifestError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor an existing path")
+    return path
+
+
+def library_versions() -> dict:
+    import onnx
+    import onnxscript
+    import torch
+    import transformers
+
+    return {"kvforge": "0.1.0", "exporter": "torch.onnx.export(dynamo=True)", "torch": torch.__version__,
+            "transformers": transformers.__version__, "onnx": onnx.__version__,
+            "onnxscript": onnxscript.__version__, "python": sys.version.split()[0]}
+
+
+def prepare_output(out: Path) -> Path:
+    """A fresh temporary directory beside `out`; fails early if `out` cannot be written."""
+    parent = out.resolve().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
+        tmp.chmod(0o755)
+        return tmp
+    except OSError as e:
+        raise ManifestError(f"cannot write the output directory {out}: {e.strerror}") from None
+
+
+def replace_dir(tmp: Path, out: Path) -> None:
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out)
+
+
+def export(model: str, out: Path, kv_layout: str, kv_dtype: str, max_seq_len: int | None) -> Manifest:
+    from export import checkpoint
+    from export.onnx_export import export_onnx
+
+    check_layout_dtype(kv_layout, kv_dtype)
+    started = time.perf_counter()
+    with progress(f"resolving model {model}"):
+        source = resolve_model(model)
+        spec = ModelSpec.from_hf_config(checkpoint.read_config(source))
+        tokenizer = checkpoint.tokenizer_info(source)
+    manifest = Manifest(model=spec, kv_layout=kv_layout, kv_dtype=kv_dtype,
+                        max_seq_len=max_seq_len if max_seq_len is not None else spec.max_positions,
+                        tokenizer=tokenizer, source={}, versions=library_versions())
+    tmp = prepare_output(out)
+    try:
+        with progress("loading safetensors weights"):
+            _, torch_model = checkpoint.load_model(source, kv_layout, KV_DTYPES[kv_dtype])
+            manifest.source = {"path": str(Path(source).resolve()), "sha256": checkpoint.fingerprint(source)}
+        with progress(f"tracing to ONNX (opset {manifest.opset}, {kv_layout} layout, {kv_dtype} KV)"):
+            export_onnx(torch_model, manifest, tmp / manifest.onnx_file)
+        for name in tokenizer["files"]:
+            shutil.copy2(Path(source) / name, tmp / name)
+        manifest.versions["export_seconds"] = round(time.perf_counter() - started, 2)
+        manifest.save(tmp)
+        replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    size = sum(f.stat().st_size for f in out.iterdir())
+    print(f"exported {out} ({size / 2**20:.1f} MiB, KV {manifest.kv_bytes_per_token} bytes/token) "
+          f"in {manifest.versions['export_seconds']:.1f} s", file=sys.stderr)
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m export", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="preset name (tiny-llama, small-llama) or HF checkpoint dir")
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--kv-layout", default="inplace", choices=KV_LAYOUTS)
+    parser.add_argument("--kv-dtype", default="fp32", choices=list(KV_DTYPES))
+    parser.add_argument("--max-seq-len", type=int, default=None, help="cache capacity limit (default: model positions)")
+    args = parser.parse_args(argv)
+    export(args.model, args.out, args.kv_layout, args.kv_dtype, args.max_seq_len)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(fail_cleanly(main))

@@ -1,0 +1,66 @@
+"""How K/V values are stored in the cache for each KV dtype: encode on write, decode on read.
+
+Written in plain torch ops so the same code runs eagerly (parity) and exports to ONNX ops that
+ONNX Runtime CPU runs (ReduceMax, Div, Round, Clip, Cast). fp8 is the exception: it exports
+as QuantizeLinear/DequantizeLinear (what TensorRT's strongly typed networks need) and its eager
+path emulates them.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvforge.manifest import FP8_SCALE, KVDType
+
+_EPS = 1e-8
+
+
+def encode(x: torch.Tensor, kv: KVDType) -> list[torch.Tensor]:
+    """[B, H, S, D] float -> the tensors stored in the cache (values, and a scale if any)."""
+    if kv.name == "fp32":
+        return [x]
+    if kv.name == "fp16":
+        return [x.to(torch.float16)]
+    if kv.name == "fp8":
+        return [_fp8_quantize(x)]
+    qmax = 127.0 if kv.name == "int8" else 7.0
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(_EPS) / qmax
+    q = torch.round(x / scale).clamp(-qmax, qmax)
+    if kv.name == "int8":
+        return [q.to(torch.int8), scale]
+    # int4: shift to 0..15 and pack neighbours along head_dim into one byte (low, high nibble).
+    u = q + 8.0
+    return [(u[..., 0::2] + 16.0 * u[..., 1::2]).to(torch.uint8), scale]
+
+
+def decode(stored: list[torch.Tensor], kv: KVDType) -> torch.Tensor:
+    """The inverse of encode, back to float32 [B, H, T, D]."""
+    values = stored[0]
+    if kv.name in ("fp32", "fp16"):
+        return values.to(torch.float32)
+    if kv.name == "fp8":
+        return _fp8_dequantize(values)
+    scale = stored[1]
+    if kv.name == "int8":
+        return values.to(torch.float32) * scale
+    packed = values.to(torch.float32)
+    high = torch.floor(packed / 16.0)
+    low = packed - 16.0 * high
+    unpacked = torch.stack((low, high), dim=-1).flatten(-2) - 8.0
+    return unpacked * scale
+
+
+def _fp8_quantize(x: torch.Tensor) -> torch.Tensor:
+    scale = torch.tensor(FP8_SCALE, dtype=torch.float32)
+    if torch.onnx.is_in_onnx_export():
+        return torch.onnx.ops.symbolic(
+            "QuantizeLinear", (x, scale), {"output_dtype": 17, "saturate": 1},
+            dtype=torch.float8_e4m3fn, shape=x.shape, version=24)
+    return (x / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+def _fp8_dequantize(q: torch.Tensor) -> torch.Tensor:
+    scale = torch.tensor(FP8_SCALE, dtype=torch.float32)
+    if torch.onnx.is_in_onnx_export():
+        return torch.onnx.ops.symbolic(
+            "DequantizeLinear", (q, scale), {}, dtype=torch.float32, shape=q.shape, version=24)
+    return q.to(torch.float32) * scale

@@ -1,0 +1,191 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2) written for export with an explicit KV cache.
+
+Module and parameter names match Hugging Face checkpoints, so a safetensors state dict loads
+as is. The cache is passed in and returned as flat tensors in the order the manifest gives
+(kvforge.manifest.io_tensors), in one of two layouts:
+
+- concat: present = concat(past, new); the Optimum-compatible contract.
+- inplace: fixed-capacity buffers; new K/V are scattered at write_positions (ONNX TensorScatter)
+  and attention reads write_positions + seq entries (ONNX Attention with nonpad_kv_seqlen).
+  Bound to the same memory as input and output, the runtime updates the cache in place.
+
+During torch.onnx.export the in-place ops are emitted as ONNX opset-24 symbolic ops; eagerly,
+the same math runs in torch so parity with Hugging Face can be checked without exporting.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from export import kv_codec
+from kvforge.manifest import KVDType, ModelSpec
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [B, 1, S, D] for integer positions [B, S] (Hugging Face's half-split convention)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    freqs = positions.to(torch.float32)[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Softmax attention of q [B, H, S, D] over k/v [B, KVH, T, D]; allowed [B, 1, S, T] bool."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+    # A finite fill keeps fully masked (padding) rows NaN-free.
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def scatter_into(buffer: torch.Tensor, update: torch.Tensor, write_positions: torch.Tensor) -> torch.Tensor:
+    """Write update [B, H, S, X] into buffer [B, H, CAP, X] at write_positions[b] along dim 2."""
+    if torch.onnx.is_in_onnx_export():
+        return torch.onnx.ops.symbolic(
+            "TensorScatter", (buffer, update, write_positions), {"axis": 2, "mode": "linear"},
+            dtype=buffer.dtype, shape=buffer.shape, version=24)
+    b, h, s, x = update.shape
+    index = (write_positions[:, None] + torch.arange(s))[:, None, :, None].expand(b, h, s, x)
+    return buffer.clone().scatter_(2, index, update)
+
+
+def attend_inplace(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   write_positions: torch.Tensor) -> torch.Tensor:
+    """Causal attention over a fixed-capacity cache whose row b holds write_positions[b] + S entries."""
+    seq = q.shape[2]
+    valid = write_positions + seq
+    if torch.onnx.is_in_onnx_export():
+        return torch.onnx.ops.symbolic(
+            "Attention", (q, k, v, None, None, None, valid),
+            {"is_causal": 1, "scale": q.shape[-1] ** -0.5},
+            dtype=q.dtype, shape=q.shape, version=24)
+    key_index = torch.arange(k.shape[2])
+    query_pos = write_positions[:, None] + torch.arange(seq)  # [B, S]
+    allowed = key_index[None, None, :] <= query_pos[:, :, None]  # causal, bottom-right aligned
+    return attend(q, k, v, allowed[:, None])
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        bias = spec.attention_bias
+        self.q_proj = nn.Linear(spec.hidden_size, spec.num_heads * spec.head_dim, bias=bias)
+        self.k_proj = nn.Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=bias)
+        self.v_proj = nn.Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=bias)
+        self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, cache: list[torch.Tensor], kv: KVDType, layout: str,
+                mask_or_positions: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        new_k, new_v = kv_codec.encode(k, kv), kv_codec.encode(v, kv)
+        # cache order per layer: key, value[, key_scale, value_scale] (kvforge.manifest)
+        new = [new_k[0], new_v[0]] + ([new_k[1], new_v[1]] if len(new_k) > 1 else [])
+        if layout == "concat":
+            present = [torch.cat((old, fresh), dim=2) for old, fresh in zip(cache, new)]
+        else:
+            present = [scatter_into(old, fresh, mask_or_positions) for old, fresh in zip(cache, new)]
+        scales = len(present) > 2
+        k_all = kv_codec.decode([present[0]] + ([present[2]] if scales else []), kv)
+        v_all = kv_codec.decode([present[1]] + ([present[3]] if scales else []), kv)
+
+        if layout == "concat":
+            out = attend(q, k_all, v_all, mask_or_positions)
+        else:
+            out = attend_inplace(q, k_all, v_all, mask_or_positions)
+        out = out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
+        return self.o_proj(out), present
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, x, cos, sin, cache, kv, layout, mask_or_positions):
+        attn, present = self.self_attn(self.input_layernorm(x), cos, sin, cache, kv, layout, mask_or_positions)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), present
+
+
+class Backbone(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """forward(input_ids, <layout inputs>, *cache) -> (logits, *present), flat for ONNX export."""
+
+    def __init__(self, spec: ModelSpec, layout: str, kv: KVDType):
+        super().__init__()
+        self.spec, self.layout, self.kv = spec, layout, kv
+        self.model = Backbone(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.per_layer = 4 if kv.has_scale_tensors else 2
+
+    def forward(self, input_ids: torch.Tensor, *args: torch.Tensor):
+        if self.layout == "concat":
+            attention_mask, position_ids, *cache = args
+            past = cache[0].shape[2]
+            key_index = torch.arange(attention_mask.shape[1])
+            query_pos = past + torch.arange(input_ids.shape[1])
+            causal = key_index[None, :] <= query_pos[:, None]  # [S, T]
+            mask_or_positions = (causal[None] & (attention_mask[:, None, :] > 0))[:, None]
+            positions = position_ids
+        else:
+            write_positions, *cache = args
+            mask_or_positions = write_positions
+            positions = write_positions[:, None] + torch.arange(input_ids.shape[1])
+        cos, sin = rotary(positions, self.spec.head_dim, self.spec.rope_theta)
+
+        x = self.model.embed_tokens(input_ids)
+        presents: list[torch.Tensor] = []
+        for i, layer in enumerate(self.model.layers):
+            layer_cache = list(cache[i * self.per_layer:(i + 1) * self.per_layer])
+            x, present = layer(x, cos, sin, layer_cache, self.kv, self.layout, mask_or_positions)
+            presents += present
+        return (self.lm_head(self.model.norm(x)), *presents)

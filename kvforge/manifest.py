@@ -1,0 +1,296 @@
+"""The contract between stages: model spec, KV-cache layout arithmetic and the manifest.
+
+export writes a manifest.json beside model.onnx; engines add an "engine" section; the runtime
+and the Triton models read it. Everything that depends on how the KV cache is laid out
+(tensor names, shapes, dtypes, bytes per token, capacity buckets) is computed here and
+nowhere else. Pure Python: every stage, including a torch-free serving image, imports it.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+MODEL_FILE = "model.onnx"
+OPSET = 24  # TensorScatter and Attention(nonpad_kv_seqlen) need opset 24
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+KV_LAYOUTS = ("concat", "inplace")
+# Token granularity of KV bookkeeping (admission control, utilization); the paged layout will
+# use the same block size for its physical blocks.
+KV_BLOCK_TOKENS = 16
+MIN_CAPACITY = 64
+
+
+class ManifestError(ValueError):
+    """A manifest, model config or KV option that cannot be used; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class KVDType:
+    name: str
+    storage: str  # numpy/ONNX element type of the cache tensor
+    bits: int  # bits per cached element (int4 packs two per uint8)
+    scale: str  # "none" | "per-token" (one fp32 scale per token and head) | "per-tensor"
+    runs_on: tuple[str, ...]
+    note: str = ""
+
+    @property
+    def quantized(self) -> bool:
+        return self.scale != "none"
+
+    @property
+    def has_scale_tensors(self) -> bool:
+        return self.scale == "per-token"
+
+    def stored_head_dim(self, head_dim: int) -> int:
+        return head_dim * self.bits // 8 if self.bits < 8 else head_dim
+
+
+KV_DTYPES: dict[str, KVDType] = {
+    d.name: d
+    for d in (
+        KVDType("fp32", "float32", 32, "none", ("onnxruntime", "tensorrt")),
+        KVDType("fp16", "float16", 16, "none", ("onnxruntime", "tensorrt")),
+        KVDType("int8", "int8", 8, "per-token", ("onnxruntime", "tensorrt"),
+                "symmetric, one fp32 scale per (token, head) computed when the token is written"),
+        KVDType("int4", "uint8", 4, "per-token", ("onnxruntime", "tensorrt"),
+                "symmetric 4-bit, two values packed per byte along head_dim, fp32 scale per (token, head)"),
+        KVDType("fp8", "float8e4m3fn", 8, "per-tensor", ("tensorrt",),
+                "e4m3 via QuantizeLinear/DequantizeLinear with a static per-tensor scale; "
+                "ONNX Runtime CPU cannot scatter into an fp8 cache, so this export targets TensorRT on GPU hosts"),
+    )
+}
+FP8_SCALE = 1.0  # static per-tensor fp8 scale (uncalibrated): |K|,|V| of Llama-style models sit far below 448
+
+# Which KV dtypes each layout can emit; anything else is refused at the command line.
+LAYOUT_DTYPES = {
+    "concat": ("fp32", "fp16", "int8", "int4"),
+    "inplace": ("fp32", "fp16", "int8", "int4", "fp8"),
+}
+
+
+def kv_dtype(name: str) -> KVDType:
+    if name not in KV_DTYPES:
+        raise ManifestError(f"unknown KV dtype {name!r}; choose one of {', '.join(KV_DTYPES)}")
+    return KV_DTYPES[name]
+
+
+def check_layout_dtype(layout: str, dtype: str) -> None:
+    if layout not in KV_LAYOUTS:
+        raise ManifestError(f"unknown KV layout {layout!r}; choose one of {', '.join(KV_LAYOUTS)}")
+    kv_dtype(dtype)
+    if dtype not in LAYOUT_DTYPES[layout]:
+        raise ManifestError(
+            f"KV dtype {dtype} is not available with the {layout} layout "
+            f"(it supports {', '.join(LAYOUT_DTYPES[layout])}); fp8 is emitted only for the "
+            "inplace layout, for TensorRT on GPU hosts")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The architecture facts every stage needs, read from a Hugging Face config.json."""
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_positions: int
+    rope_theta: float
+    rms_norm_eps: float
+    attention_bias: bool
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelSpec":
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ManifestError(
+                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        rope = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ManifestError(f"unsupported rope scaling {rope_type!r}; only default RoPE is supported")
+        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        return cls(
+            architecture=arch,
+            num_layers=int(cfg["num_hidden_layers"]),
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            intermediate_size=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            # A sliding window equals full attention up to its length; beyond it we would differ.
+            max_positions=min(int(cfg.get("max_position_embeddings", 2048)),
+                              int(cfg.get("sliding_window") or 1 << 30)),
+            rope_theta=float(theta),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            # Qwen2 has q/k/v biases without saying so in its config.
+            attention_bias=bool(cfg.get("attention_bias") or arch == "Qwen2ForCausalLM"),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+
+
+# ---------------------------------------------------------------- KV-cache arithmetic
+
+def kv_bytes_per_token(spec: ModelSpec, dtype: str) -> int:
+    """Bytes one token occupies in the cache: K and V, every layer and KV head (plus scales)."""
+    d = kv_dtype(dtype)
+    per_head = spec.head_dim * d.bits // 8 + (4 if d.has_scale_tensors else 0)
+    return 2 * spec.num_layers * spec.num_kv_heads * per_head
+
+
+def kv_bytes(spec: ModelSpec, dtype: str, tokens: int, batch: int = 1) -> int:
+    return kv_bytes_per_token(spec, dtype) * tokens * batch
+
+
+def kv_blocks(tokens: int) -> int:
+    return -(-tokens // KV_BLOCK_TOKENS)
+
+
+def capacity_bucket(tokens: int, max_seq_len: int) -> int:
+    """Smallest power-of-two capacity (at least MIN_CAPACITY) holding `tokens`, capped at max_seq_len.
+
+    ONNX Runtime's attention cost follows the buffer capacity, not the valid length, so the
+    in-place cache lives in the smallest bucket that fits the longest active sequence."""
+    if tokens > max_seq_len:
+        raise ManifestError(f"{tokens} tokens exceed the engine's max_seq_len {max_seq_len}")
+    return min(max_seq_len, max(MIN_CAPACITY, 1 << max(0, math.ceil(math.log2(max(tokens, 1))))))
+
+
+# ---------------------------------------------------------------- tensor names and shapes
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: tuple  # ints and symbolic dim names
+
+
+def kv_tensor_names(layer: int, prefix: str, quantized_scales: bool) -> list[str]:
+    names = [f"{prefix}.{layer}.key", f"{prefix}.{layer}.value"]
+    if quantized_scales:
+        names += [f"{prefix}.{layer}.key_scale", f"{prefix}.{layer}.value_scale"]
+    return names
+
+
+def io_tensors(spec: ModelSpec, layout: str, dtype: str) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """ONNX graph inputs and outputs for a layout; the order is the exported order.
+
+    concat (Optimum-compatible): past [batch, kv_heads, past_len, D] in, present with
+    past_len + seq out. inplace: one buffer [batch, kv_heads, capacity, D] per tensor, given as
+    input and returned as output so a runtime binds both to the same memory; new K/V land at
+    write_positions[b] .. + seq, and attention reads write_positions[b] + seq entries."""
+    check_layout_dtype(layout, dtype)
+    d = kv_dtype(dtype)
+    kvh, hd = spec.num_kv_heads, d.stored_head_dim(spec.head_dim)
+    if layout == "concat":
+        inputs = [TensorSpec("input_ids", "int64", ("batch", "seq")),
+                  TensorSpec("attention_mask", "int64", ("batch", "total")),
+                  TensorSpec("position_ids", "int64", ("batch", "seq"))]
+        past_len, present_len, past_prefix, present_prefix = "past", "total", "past_key_values", "present"
+    else:
+        inputs = [TensorSpec("input_ids", "int64", ("batch", "seq")),
+                  TensorSpec("write_positions", "int64", ("batch",))]
+        past_len = present_len = "capacity"
+        past_prefix, present_prefix = "past_key_values", "present"
+    outputs = [TensorSpec("logits", "float32", ("batch", "seq", spec.vocab_size))]
+    for i in range(spec.num_layers):
+        for prefix, length, dest in ((past_prefix, past_len, inputs), (present_prefix, present_len, outputs)):
+            for name in kv_tensor_names(i, prefix, d.has_scale_tensors):
+                scale = name.endswith("_scale")
+                dest.append(TensorSpec(name, "float32" if scale else d.storage,
+                                       ("batch", kvh, length, 1 if scale else hd)))
+    return inputs, outputs
+
+
+def kv_pairs(spec: ModelSpec, dtype: str) -> list[tuple[str, str]]:
+    """(input name, output name) of every cache tensor: the aliases of the inplace layout."""
+    d = kv_dtype(dtype)
+    pairs = []
+    for i in range(spec.num_layers):
+        pairs += list(zip(kv_tensor_names(i, "past_key_values", d.has_scale_tensors),
+                          kv_tensor_names(i, "present", d.has_scale_tensors)))
+    return pairs
+
+
+# ---------------------------------------------------------------- the manifest
+
+@dataclass
+class Manifest:
+    model: ModelSpec
+    kv_layout: str
+    kv_dtype: str
+    max_seq_len: int
+    tokenizer: dict  # files, bos/eos/pad token ids
+    source: dict  # checkpoint path, sha256 fingerprint
+    versions: dict  # exporter and libraries
+    onnx_file: str = MODEL_FILE
+    opset: int = OPSET
+    engine: dict = field(default_factory=dict)  # filled by `engines build`
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self):
+        check_layout_dtype(self.kv_layout, self.kv_dtype)
+        if not 0 < self.max_seq_len <= self.model.max_positions:
+            raise ManifestError(
+                f"max_seq_len must be in 1..{self.model.max_positions} (the model's positions), "
+                f"got {self.max_seq_len}")
+
+    @property
+    def kv(self) -> KVDType:
+        return KV_DTYPES[self.kv_dtype]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.model, self.kv_dtype)
+
+    def io(self) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        return io_tensors(self.model, self.kv_layout, self.kv_dtype)
+
+    def to_dict(self) -> dict:
+        inputs, outputs = self.io()
+        d = asdict(self)
+        d["kv"] = {"layout": self.kv_layout, "dtype": self.kv_dtype, "storage": self.kv.storage,
+                   "scale": self.kv.scale, "runs_on": list(self.kv.runs_on), "note": self.kv.note,
+                   "bytes_per_token": self.kv_bytes_per_token, "block_tokens": KV_BLOCK_TOKENS}
+        d["io"] = {"inputs": [asdict(t) for t in inputs], "outputs": [asdict(t) for t in outputs]}
+        return d
+
+    def save(self, directory: Path) -> Path:
+        path = Path(directory) / MANIFEST_FILE
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, directory: Path) -> "Manifest":
+        path = Path(directory) / MANIFEST_FILE
+        if not path.is_file():
+            raise ManifestError(f"no {MANIFEST_FILE} in {directory} (run `python -m export` first)")
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ManifestError(f"{path} is not valid JSON: {e}") from None
+        version = d.get("format_version")
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            raise ManifestError(
+                f"{path} has manifest format {version!r}, newer than this kvforge reads "
+                f"({FORMAT_VERSION}); re-export with this version or upgrade kvforge")
+        try:
+            fields = {k: d[k] for k in ("kv_layout", "kv_dtype", "max_seq_len", "tokenizer",
+                                        "source", "versions", "onnx_file", "opset", "engine",
+                                        "format_version")}
+            return cls(model=ModelSpec(**d["model"]), **fields)
+        except (KeyError, TypeError) as e:
+            raise ManifestError(f"{path} is missing or has a malformed field: {e}") from None
