@@ -1,7 +1,6 @@
 """python -m export --model PRESET_OR_DIR --out DIR [--kv-layout ...] [--kv-dtype ...] [--max-seq-len N]
 
-Writes DIR/model.onnx, DIR/manifest.json and the tokenizer files. Everything is written into a
-temporary sibling directory and renamed at the end, so a failure leaves nothing half-written.
+Writes DIR/model.onnx, DIR/manifest.json and the tokenizer files, atomically (kvforge.cli).
 """
 from __future__ import annotations
 
@@ -9,12 +8,11 @@ import argparse
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from kvforge.manifest import KV_DTYPES, KV_LAYOUTS, Manifest, ManifestError, ModelSpec, check_layout_dtype
-from kvforge.cli import fail_cleanly, progress
+from kvforge.cli import atomic_directory, fail_cleanly, progress
 
 CHECKPOINT_CACHE = Path(os.environ.get("KVFORGE_CHECKPOINTS", "build/checkpoints"))
 
@@ -42,28 +40,6 @@ def library_versions() -> dict:
             "onnxscript": onnxscript.__version__, "python": sys.version.split()[0]}
 
 
-def prepare_output(out: Path) -> Path:
-    """A fresh temporary directory beside `out`; fails early if `out` cannot be written."""
-    parent = out.resolve().parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
-        tmp.chmod(0o755)
-        return tmp
-    except OSError as e:
-        raise ManifestError(f"cannot write the output directory {out}: {e.strerror}") from None
-
-
-def replace_dir(tmp: Path, out: Path) -> None:
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(out)
-
-
 def export(model: str, out: Path, kv_layout: str, kv_dtype: str, max_seq_len: int | None) -> Manifest:
     from export import checkpoint
     from export.onnx_export import export_onnx
@@ -77,8 +53,7 @@ def export(model: str, out: Path, kv_layout: str, kv_dtype: str, max_seq_len: in
     manifest = Manifest(model=spec, kv_layout=kv_layout, kv_dtype=kv_dtype,
                         max_seq_len=max_seq_len if max_seq_len is not None else spec.max_positions,
                         tokenizer=tokenizer, source={}, versions=library_versions())
-    tmp = prepare_output(out)
-    try:
+    with atomic_directory(out) as tmp:
         with progress("loading safetensors weights"):
             _, torch_model = checkpoint.load_model(source, kv_layout, KV_DTYPES[kv_dtype])
             manifest.source = {"path": str(Path(source).resolve()), "sha256": checkpoint.fingerprint(source)}
@@ -88,10 +63,6 @@ def export(model: str, out: Path, kv_layout: str, kv_dtype: str, max_seq_len: in
             shutil.copy2(Path(source) / name, tmp / name)
         manifest.versions["export_seconds"] = round(time.perf_counter() - started, 2)
         manifest.save(tmp)
-        replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     size = sum(f.stat().st_size for f in out.iterdir())
     print(f"exported {out} ({size / 2**20:.1f} MiB, KV {manifest.kv_bytes_per_token} bytes/token) "
           f"in {manifest.versions['export_seconds']:.1f} s", file=sys.stderr)

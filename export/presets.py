@@ -7,15 +7,14 @@ machine, offline). From then on a preset is loaded exactly like a user's checkpo
 from __future__ import annotations
 
 import json
-import shutil
 import sysconfig
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from kvforge.cli import atomic_directory
 from kvforge.manifest import KV_DTYPES, ModelSpec
 from export.model import CausalLM
 
@@ -80,20 +79,14 @@ def random_weights(spec: ModelSpec, std: float) -> dict[str, torch.Tensor]:
 
 
 def materialize(name: str, root: Path) -> Path:
-    """The preset's checkpoint directory under root, created once (atomically)."""
+    """The preset's checkpoint directory under root, created once."""
     directory = Path(root) / name
     if (directory / "model.safetensors").is_file():
         return directory
     config = hf_config(name)
     spec = ModelSpec.from_hf_config(config)
-    Path(root).mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
-    try:
+    with atomic_directory(directory) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         write_tokenizer(train_tokenizer(spec.vocab_size), tmp)
         save_file(random_weights(spec, config["initializer_range"]), str(tmp / "model.safetensors"))
-        tmp.rename(directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return directory

@@ -89,8 +89,11 @@ class _OrtRunner(Runner):
         if "onnxruntime" not in manifest.kv.runs_on:
             raise ManifestError(
                 f"KV dtype {manifest.kv_dtype} cannot run on ONNX Runtime ({manifest.kv.note})")
-        self.session = ort.InferenceSession(str(onnx_path), session_options(threads),
-                                            providers=["CPUExecutionProvider"])
+        try:
+            self.session = ort.InferenceSession(str(onnx_path), session_options(threads),
+                                                providers=["CPUExecutionProvider"])
+        except Exception as e:  # ORT raises its own exception types for unreadable models
+            raise ManifestError(f"cannot load engine {onnx_path}: {str(e).splitlines()[0][:300]}") from None
         inputs, _ = manifest.io()
         self.dtypes = {t.name: NUMPY_DTYPES.get(t.dtype) for t in inputs}
         self.pairs = kv_pairs(manifest.model, manifest.kv_dtype)
@@ -213,9 +216,14 @@ def open_runner(engine_dir: Path, threads: int | None = None) -> Runner:
         from runtime.tensorrt_runner import TensorRTRunner
 
         return TensorRTRunner(manifest, engine_dir / manifest.engine["file"])
-    onnx_file = manifest.engine.get("file", manifest.onnx_file)
-    path = engine_dir / onnx_file
+    import onnxruntime
+
+    built_with = manifest.engine.get("onnxruntime_version")
+    if built_with and built_with != onnxruntime.__version__:
+        raise ManifestError(f"engine {engine_dir} was built with ONNX Runtime {built_with} but this runtime "
+                            f"is {onnxruntime.__version__}; rebuild it with `make build-engines`")
+    path = engine_dir / manifest.engine.get("file", manifest.onnx_file)
     if not path.is_file():
         raise ManifestError(f"{path} is missing; rebuild with `make build-engines`")
     cls = OrtInplaceRunner if manifest.kv_layout == "inplace" else OrtConcatRunner
-    return cls(manifest, path, threads)
+    return cls(manifest, path, threads or manifest.engine.get("threads"))

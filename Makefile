@@ -1,0 +1,61 @@
+# kvforge front door. `make run` does the main job end to end; `make test` runs the suite.
+# Every target depends on `setup`, so a fresh machine needs nothing but Python 3.11.
+PYTHON_BOOT ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+
+MODEL ?= tiny-llama
+KV_LAYOUT ?= inplace
+KV_DTYPE ?= fp32
+MAX_SEQ_LEN ?= 1024
+BACKEND ?= auto
+WEIGHTS ?= fp32
+TAG := $(notdir $(MODEL))-$(KV_LAYOUT)-$(KV_DTYPE)
+EXPORT_DIR ?= build/exports/$(TAG)
+ENGINE_DIR ?= model_repository/llm/1/engine
+HOST ?= 127.0.0.1
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
+PROMPT ?= def fibonacci(n):
+MAX_TOKENS ?= 48
+
+.PHONY: setup export verify build-engines serve run test bench clean
+
+setup: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON_BOOT) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --upgrade pip
+	$(VENV)/bin/pip install --quiet -e '.[peers]'
+	touch $@
+
+export: setup
+	$(PY) -m export --model $(MODEL) --out $(EXPORT_DIR) --kv-layout $(KV_LAYOUT) --kv-dtype $(KV_DTYPE) --max-seq-len $(MAX_SEQ_LEN)
+
+$(EXPORT_DIR)/manifest.json: | setup
+	$(MAKE) export
+
+verify: $(EXPORT_DIR)/manifest.json
+	$(PY) -m export.verify $(EXPORT_DIR)
+
+build-engines: $(EXPORT_DIR)/manifest.json
+	$(PY) -m engines build $(EXPORT_DIR) --backend $(BACKEND) --weights $(WEIGHTS) --out $(ENGINE_DIR)
+	$(PY) -m engines repository $(ENGINE_DIR) --repo model_repository
+
+serve: setup
+	$(PY) -m runtime.triton_server --repo model_repository --host $(HOST) \
+		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+
+run: build-engines
+	$(PY) -m runtime.triton_server --repo model_repository --host $(HOST) \
+		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
+		-- $(PY) -m clients.generate "$(PROMPT)" --url $(HOST):$(GRPC_PORT) --max-tokens $(MAX_TOKENS)
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) -m bench $(if $(QUICK),--quick,)
+
+clean:
+	rm -rf build results model_repository/*/config.pbtxt model_repository/*/1/engine

@@ -1,0 +1,38 @@
+"""Shared fixtures: real exports of the tiny preset, made once per test session."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, check: bool = False, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run a kvforge command the way a user does (python -m ...), from the repository root."""
+    result = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True,
+                            timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    return result
+
+
+@pytest.fixture(scope="session")
+def exports(tmp_path_factory):
+    """exports(layout, dtype, model="tiny-llama") -> export dir, created in-process on first use."""
+    from export.__main__ import export
+
+    root = tmp_path_factory.mktemp("exports")
+    made: dict[tuple, Path] = {}
+
+    def make(layout: str = "inplace", dtype: str = "fp32", model: str = "tiny-llama", max_seq_len: int = 512) -> Path:
+        key = (layout, dtype, str(model), max_seq_len)
+        if key not in made:
+            out = root / f"{Path(model).name}-{layout}-{dtype}-{max_seq_len}"
+            export(str(model), out, layout, dtype, max_seq_len)
+            made[key] = out
+        return made[key]
+
+    return make

@@ -1,0 +1,187 @@
+"""Engines stage: the ONNX Runtime runners (both layouts, fp32/int8 KV) under continuous
+batching, the in-place proof, capacity buckets, the ORT engine build and bad inputs."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnxruntime import OrtValue
+
+from kvforge.manifest import Manifest, ManifestError
+from runtime import runner as runner_module
+from runtime.runner import OrtInplaceRunner, open_runner
+from tests.conftest import run_cli
+
+PROMPTS = {"a": [5, 17, 300, 42, 9, 77, 1000], "b": [8, 9], "c": [1200, 3, 4, 5, 6], "d": [33, 34, 35, 36]}
+
+
+def solo_logits(directory, prompt, steps):
+    """Reference: the sequence alone in a fresh runner (one row, big enough from the start), greedy."""
+    r = open_runner(directory)
+    r.allocate(1, 256)
+    out = [r.step(np.array([prompt]), np.array([0]), np.array([len(prompt)]))[0, len(prompt) - 1]]
+    length = len(prompt)
+    for _ in range(steps - 1):
+        out.append(r.step(np.array([[out[-1].argmax()]]), np.array([length]), np.array([1]))[0, 0])
+        length += 1
+    return out
+
+
+def batched_logits(directory, schedule, slots=3):
+    """Drive one runner through a schedule of joins and leaves with packed rows.
+
+    schedule: {step: [names joining]}; a sequence leaves after 6 generated tokens. Rows joining
+    prefill in the same step as the decode rows (right-padded), as continuous batching does."""
+    r = open_runner(directory)
+    r.allocate(slots, 64)
+    rows: list[dict] = []  # packed: row i is rows[i]
+    produced: dict[str, list] = {}
+    for step in range(40):
+        for name in schedule.get(step, []):
+            rows.append({"name": name, "pending": PROMPTS[name], "length": 0})
+        if not rows:
+            break
+        width = max(len(s["pending"]) for s in rows)
+        ids = np.zeros((len(rows), width), np.int64)
+        for i, s in enumerate(rows):
+            ids[i, :len(s["pending"])] = s["pending"]
+        num_new = np.array([len(s["pending"]) for s in rows])
+        logits = r.step(ids, np.array([s["length"] for s in rows]), num_new)
+        for i, s in enumerate(rows):
+            last = logits[i, num_new[i] - 1]
+            produced.setdefault(s["name"], []).append(last)
+            s["length"] += num_new[i]
+            s["pending"] = [int(last.argmax())]
+        for i in reversed(range(len(rows))):
+            if len(produced[rows[i]["name"]]) == 6:  # leaves; the last row moves into its slot
+                last_row = len(rows) - 1
+                if i != last_row:
+                    r.move(last_row, i, rows[last_row]["length"])
+                rows[i] = rows[last_row]
+                rows.pop()
+    return produced
+
+
+@pytest.mark.parametrize("layout,dtype", [("inplace", "fp32"), ("inplace", "int8"),
+                                          ("concat", "fp32"), ("concat", "int8")])
+def test_continuous_batching_matches_solo_runs(exports, layout, dtype):
+    directory = exports(layout, dtype)
+    produced = batched_logits(directory, {0: ["a", "b"], 2: ["c"], 7: ["d"]})
+    assert set(produced) == set(PROMPTS)
+    for name, logits in produced.items():
+        reference = solo_logits(directory, PROMPTS[name], len(logits))
+        diff = max(float(np.abs(a - b).max()) for a, b in zip(logits, reference))
+        assert diff < 1e-4, (name, diff)
+
+
+def _step_logging_inplace_warnings(directory, capfd, alias: bool):
+    r = open_runner(directory)
+    r.allocate(2, 64)
+    opts = runner_module.session_options(1)
+    opts.log_severity_level = 1  # TensorScatter warns when it has to copy the buffer
+    r.session = ort.InferenceSession(str(directory / "model.onnx"), opts)
+    pointers = r.data_pointers()
+    if alias:
+        for step in range(20):
+            r.step(np.array([[7, 8, 9], [10, 11, 12]]), np.array([3 * step, 3 * step]), np.array([3, 3]))
+        return r, pointers, capfd.readouterr().err
+    binding = r.session.io_binding()  # control: present bound to a different buffer
+    binding.bind_cpu_input("input_ids", np.array([[7], [8]]))
+    binding.bind_cpu_input("write_positions", np.array([0, 0]))
+    binding.bind_output("logits")
+    for past, present in r.pairs:
+        binding.bind_ortvalue_input(past, OrtValue.ortvalue_from_numpy(r.buffers[past]))
+        binding.bind_ortvalue_output(present, OrtValue.ortvalue_from_numpy(r.buffers[past].copy()))
+    r.session.run_with_iobinding(binding)
+    return r, pointers, capfd.readouterr().err
+
+
+def test_inplace_updates_the_bound_buffers_without_copies(exports, capfd):
+    directory = exports("inplace", "fp32")
+    r, pointers, log = _step_logging_inplace_warnings(directory, capfd, alias=True)
+    assert r.data_pointers() == pointers
+    key = r.buffers["past_key_values.0.key"]
+    assert np.abs(key[:, :, :60]).sum() > 0 and np.abs(key[:, :, 60:]).sum() == 0  # 20 steps x 3 tokens
+    assert "in-place optimization not activated" not in log
+    _, _, control = _step_logging_inplace_warnings(directory, capfd, alias=False)
+    assert "in-place optimization not activated" in control  # the check above can fail
+
+
+def test_capacity_growth_and_shrink_keep_the_cache(exports):
+    directory = exports("inplace", "int8")
+    prompt = PROMPTS["a"]
+    reference = solo_logits(directory, prompt, 70)
+    r = open_runner(directory)
+    r.allocate(1, r.bucket_for(len(prompt)))
+    assert r.capacity == 64
+    logits = [r.step(np.array([prompt]), np.array([0]), np.array([len(prompt)]))[0, -1]]
+    length = len(prompt)
+    for _ in range(69):
+        if length + 1 > r.capacity:
+            before = r.kv_bytes_allocated
+            r.resize(r.bucket_for(length + 1), rows=1)
+            assert r.capacity == 128 and r.kv_bytes_allocated == 2 * before
+        logits.append(r.step(np.array([[logits[-1].argmax()]]), np.array([length]), np.array([1]))[0, 0])
+        length += 1
+    assert max(float(np.abs(a - b).max()) for a, b in zip(logits, reference)) < 1e-4
+    r.resize(256, rows=1)
+    r.resize(128, rows=1)  # shrinking back keeps the 77 tokens
+    again = r.step(np.array([[logits[-1].argmax()]]), np.array([length]), np.array([1]))[0, 0]
+    assert np.isfinite(again).all()
+    with pytest.raises(ValueError, match="resize first"):
+        r.step(np.zeros((1, 60), np.int64), np.array([length]), np.array([60]))
+
+
+def test_ort_engine_build_records_and_gates(exports, tmp_path):
+    export_dir = exports("inplace", "fp32")
+    out = tmp_path / "engine"
+    result = run_cli("engines", "build", str(export_dir), "--backend", "onnxruntime", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    engine = Manifest.load(out).engine
+    assert engine["backend"] == "onnxruntime" and engine["onnxruntime_version"] == ort.__version__
+    assert engine["parity_max_abs_diff"] <= engine["parity_tolerance"] == 1e-3
+    assert engine["size_bytes"] > 0 and engine["build_seconds"] > 0 and engine["threads"] >= 1
+    assert "parity drift" in result.stderr
+    quantized = tmp_path / "engine-int8"
+    result = run_cli("engines", "build", str(export_dir), "--backend", "onnxruntime", "--weights", "int8",
+                     "--out", str(quantized))
+    assert result.returncode == 0, result.stderr
+    assert Manifest.load(quantized).engine["size_bytes"] < engine["size_bytes"] / 2
+    assert isinstance(open_runner(quantized), OrtInplaceRunner)
+
+
+def test_tensorrt_backend_refused_and_auto_falls_back(exports, tmp_path):
+    export_dir = exports("inplace", "fp32")
+    refused = run_cli("engines", "build", str(export_dir), "--backend", "tensorrt", "--out", str(tmp_path / "trt"))
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "cannot build a TensorRT engine" in refused.stderr and not (tmp_path / "trt").exists()
+    auto = run_cli("engines", "build", str(export_dir), "--backend", "auto", "--out", str(tmp_path / "auto"))
+    assert auto.returncode == 0, auto.stderr
+    assert "building the ONNX Runtime engine" in auto.stderr
+    assert Manifest.load(tmp_path / "auto").engine["backend"] == "onnxruntime"
+
+
+def test_offline_tensorrt_op_check(exports):
+    export_dir = exports("inplace", "fp32")
+    old = run_cli("engines", "check", str(export_dir), "--target", "tensorrt", "--tensorrt-version", "10.13")
+    assert old.returncode == 1 and "TensorScatter" in old.stdout and "Attention" in old.stdout
+    unknown = run_cli("engines", "check", str(export_dir), "--tensorrt-version", "0.1")
+    assert unknown.returncode == 2 and "error:" in unknown.stderr
+
+
+def test_engine_bad_inputs(exports, tmp_path):
+    missing = run_cli("engines", "build", str(tmp_path), "--backend", "onnxruntime", "--out", str(tmp_path / "e"))
+    assert missing.returncode == 2 and "no manifest.json" in missing.stderr
+    engine = tmp_path / "engine"
+    shutil.copytree(exports("inplace", "fp32"), engine)
+    (engine / "model.onnx").write_bytes(b"definitely not protobuf")
+    with pytest.raises(ManifestError, match="cannot load engine"):
+        open_runner(engine)
+    data = json.loads((engine / "manifest.json").read_text())
+    data["engine"] = {"backend": "onnxruntime", "file": "model.onnx", "onnxruntime_version": "0.0.1"}
+    (engine / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match=rf"0\.0\.1.*{ort.__version__}"):
+        open_runner(engine)
