@@ -1,0 +1,220 @@
+"""The in-place KV cache on a GPU through a TensorRT plan (written from the TensorRT docs; it
+runs only on a host with TensorRT and a CUDA GPU, which this project's CI does not have).
+
+Each cache tensor is one device buffer [slots, kv_heads, capacity, D], bound with
+set_tensor_address as BOTH the past_key_values.* input and the present.* output: the ONNX
+TensorScatter becomes an IKVCacheUpdateLayer, whose output must share the input's device address
+(TensorRT 10.15 docs, "KV Cache"). Rows 0..rows-1 of the buffer are one contiguous block, so a
+step binds the base address with a smaller batch, as the ONNX Runtime runner does.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from kvforge.manifest import Manifest, ManifestError, kv_pairs
+from runtime.runner import Runner
+
+ITEMSIZE = {"float32": 4, "float16": 2, "int8": 1, "uint8": 1, "float8e4m3fn": 1}
+REBUILD = "rebuild it on this host with `python -m engines build EXPORT_DIR --backend tensorrt`"
+
+
+def missing_requirement() -> str | None:
+    """None when TensorRT imports and a CUDA GPU is visible; otherwise one line naming what is missing."""
+    missing = []
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        missing.append("TensorRT is not installed (pip package tensorrt; needs NVIDIA's index)")
+    except OSError as e:  # the wheel is there but libnvinfer or the CUDA libraries are not
+        missing.append(f"TensorRT does not load ({e})")
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        missing.append("cuda-python is not installed (pip package cuda-python), so no CUDA GPU can be used")
+    else:
+        err, count = cudart.cudaGetDeviceCount()
+        if err != cudart.cudaError_t.cudaSuccess or not count:
+            missing.append(f"no CUDA GPU visible ({cudart.cudaGetErrorString(err)[1].decode()})")
+    return "; ".join(missing) or None
+
+
+def cuda(result):
+    """cuda-python returns (error, *values): raise on an error, else return the value."""
+    from cuda.bindings import runtime as cudart
+
+    err, *values = result
+    if err != cudart.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"CUDA {err.name}: {cudart.cudaGetErrorString(err)[1].decode()}")
+    return values[0] if values else None
+
+
+def platform() -> dict:
+    """What a plan is tied to: the TensorRT version and the GPU it was built on."""
+    import tensorrt as trt
+    from cuda.bindings import runtime as cudart
+
+    props = cuda(cudart.cudaGetDeviceProperties(cuda(cudart.cudaGetDevice())))
+    name = props.name.decode() if isinstance(props.name, bytes) else str(props.name)
+    return {"tensorrt_version": trt.__version__, "compute_capability": f"{props.major}.{props.minor}",
+            "gpu_name": name.rstrip("\x00")}
+
+
+def check_engine_match(recorded: dict, running: dict) -> None:
+    """A plan only deserializes on the TensorRT version and GPU architecture that built it
+    ("Version tag does not match" otherwise); say so with both sides named instead."""
+    for key, what in (("tensorrt_version", "TensorRT"), ("compute_capability", "GPU compute capability")):
+        if recorded.get(key) != running[key]:
+            raise ManifestError(f"the engine was built with {what} {recorded.get(key) or '(not recorded)'} "
+                                f"but this host has {what} {running[key]}; {REBUILD}")
+
+
+def read_plan(path: Path) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise ManifestError(f"TensorRT plan {path} is missing; {REBUILD}") from None
+    except OSError as e:
+        raise ManifestError(f"cannot read TensorRT plan {path}: {e.strerror}") from None
+    if not data:
+        raise ManifestError(f"TensorRT plan {path} is empty (an interrupted build?); {REBUILD}")
+    return data
+
+
+def capturing_logger(trt):
+    """A TensorRT logger that keeps the errors, so a refusal can quote them."""
+
+    class Logger(trt.ILogger):
+        def __init__(self):
+            trt.ILogger.__init__(self)
+            self.errors: list[str] = []
+
+        def log(self, severity, msg):
+            if severity in (trt.ILogger.Severity.INTERNAL_ERROR, trt.ILogger.Severity.ERROR):
+                self.errors.append(msg)
+            elif severity == trt.ILogger.Severity.WARNING:
+                print(f"[tensorrt] {msg}", file=sys.stderr)
+
+    return Logger()
+
+
+class TensorRTRunner(Runner):
+    """The inplace layout on a GPU. The plan fixes the cache capacity (IKVCacheUpdateLayer needs a
+    static maximum sequence length), so every slot holds the plan's capacity and resize only checks."""
+
+    def __init__(self, manifest: Manifest, plan_path: Path):
+        super().__init__(manifest)
+        missing = missing_requirement()
+        if missing:
+            raise ManifestError(f"cannot run the TensorRT engine: {missing}")
+        if manifest.kv_layout != "inplace":
+            raise ManifestError(f"the TensorRT runner binds the cache in place, so it runs the inplace layout "
+                                f"only; this engine has the {manifest.kv_layout} layout")
+        import tensorrt as trt
+
+        check_engine_match(manifest.engine, platform())
+        plan = read_plan(plan_path)
+        self.logger = capturing_logger(trt)
+        self.engine = trt.Runtime(self.logger).deserialize_cuda_engine(plan)
+        if self.engine is None:
+            reason = self.logger.errors[-1] if self.logger.errors else "deserialization failed"
+            raise ManifestError(f"cannot load TensorRT plan {plan_path} (corrupt or not a plan?): {reason}")
+        from cuda.bindings import runtime as cudart
+
+        self.cudart = cudart
+        self.context = self.engine.create_execution_context()
+        self.stream = cuda(cudart.cudaStreamCreate())
+        self.pairs = kv_pairs(manifest.model, manifest.kv_dtype)
+        self.specs = {t.name: t for t in manifest.io()[0]}
+        self.plan_capacity = self.engine.get_tensor_shape(self.pairs[0][0])[2]
+        self.max_rows, self.max_seq = self.engine.get_tensor_profile_shape("input_ids", 0)[2]
+        self.buffers: dict[str, tuple[int, int]] = {}  # name -> (device pointer, bytes)
+
+    def bucket_for(self, tokens: int) -> int:
+        if tokens > self.plan_capacity:
+            raise ManifestError(f"{tokens} tokens exceed the plan's KV capacity {self.plan_capacity}")
+        return self.plan_capacity
+
+    def _shape(self, name: str, rows: int) -> tuple[int, ...]:
+        spec = self.specs[name]
+        return (rows, spec.shape[1], self.plan_capacity, spec.shape[3])
+
+    def _device(self, name: str, nbytes: int) -> int:
+        """The device buffer `name` of at least nbytes (reallocated only to grow)."""
+        ptr, have = self.buffers.get(name, (0, 0))
+        if have < nbytes:
+            if ptr:
+                cuda(self.cudart.cudaFree(ptr))
+            ptr, have = cuda(self.cudart.cudaMalloc(nbytes)), nbytes
+            self.buffers[name] = (ptr, have)
+        return ptr
+
+    def close(self) -> None:
+        for ptr, _ in self.buffers.values():
+            cuda(self.cudart.cudaFree(ptr))
+        self.buffers = {}
+
+    def allocate(self, slots: int, capacity: int) -> None:
+        if slots > self.max_rows:
+            raise ValueError(f"{slots} slots exceed the plan's batch profile (max {self.max_rows}); "
+                             "rebuild it with more")
+        self.bucket_for(capacity)
+        self.close()
+        self.slots, self.capacity = slots, self.plan_capacity
+        for past, _ in self.pairs:
+            nbytes = int(np.prod(self._shape(past, slots))) * ITEMSIZE[self.specs[past].dtype]
+            cuda(self.cudart.cudaMemsetAsync(self._device(past, nbytes), 0, nbytes, self.stream))
+        cuda(self.cudart.cudaStreamSynchronize(self.stream))
+
+    def _upload(self, name: str, array: np.ndarray) -> None:
+        ptr = self._device(name, array.nbytes)
+        cuda(self.cudart.cudaMemcpyAsync(ptr, array.ctypes.data, array.nbytes,
+                                         self.cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, self.stream))
+        self.context.set_input_shape(name, array.shape)
+        self.context.set_tensor_address(name, ptr)
+
+    def step(self, input_ids, write_positions, num_new):
+        input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)
+        write_positions = np.ascontiguousarray(write_positions, dtype=np.int64)
+        self.check_step(input_ids, write_positions, np.asarray(num_new))
+        rows, seq = input_ids.shape
+        if seq > self.max_seq:
+            raise ValueError(f"{seq} new tokens in one step exceed the plan's profile (max {self.max_seq})")
+        self._upload("input_ids", input_ids)
+        self._upload("write_positions", write_positions)
+        for past, present in self.pairs:
+            ptr = self.buffers[past][0]
+            self.context.set_input_shape(past, self._shape(past, rows))
+            self.context.set_tensor_address(past, ptr)
+            self.context.set_tensor_address(present, ptr)  # the same memory: updated in place
+        logits = np.empty((rows, seq, self.manifest.model.vocab_size), np.float32)
+        out = self._device("logits", logits.nbytes)
+        self.context.set_tensor_address("logits", out)
+        if not self.context.execute_async_v3(int(self.stream)):
+            errors = self.logger.errors
+            raise RuntimeError("TensorRT step failed: " + (errors[-1] if errors else "no message"))
+        cuda(self.cudart.cudaMemcpyAsync(logits.ctypes.data, out, logits.nbytes,
+                                         self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream))
+        cuda(self.cudart.cudaStreamSynchronize(self.stream))
+        return logits
+
+    def move(self, src, dst, length):
+        for past, _ in self.pairs:
+            _, heads, capacity, width = self._shape(past, 1)
+            token = width * ITEMSIZE[self.specs[past].dtype]
+            pitch, base = capacity * token, self.buffers[past][0]
+            slot = heads * pitch
+            # one 2D copy per buffer: the first `length` tokens of each of the slot's `heads` rows
+            cuda(self.cudart.cudaMemcpy2DAsync(base + dst * slot, pitch, base + src * slot, pitch,
+                                               length * token, heads,
+                                               self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice, self.stream))
+        cuda(self.cudart.cudaStreamSynchronize(self.stream))
+
+    def resize(self, capacity, rows):
+        self.bucket_for(capacity)  # every slot already holds the plan's capacity
+
+    @property
+    def kv_bytes_allocated(self):
+        return sum(self.buffers[past][1] for past, _ in self.pairs if past in self.buffers)
