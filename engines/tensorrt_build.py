@@ -16,8 +16,8 @@ ONNX preparation (weight precision, pinned cache capacity) and the profile arith
   is consistent at the shapes TensorRT plans for; that caps the concat past at
   max_seq_len - max_new_tokens.
 - A persisted timing cache (loaded when present, saved after) makes rebuilds fast.
-Before building, engines/trt_ops.py lists what the running parser is documented to reject; today
-that includes the inplace export's Attention(nonpad_kv_seqlen) in every release up to 11.x.
+Before building, engines/trt_ops.py lists what the running parser is documented to reject (an
+fp32/fp16 inplace export imports whole from 10.15; int8/int4 caches use Casts TensorRT lacks).
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from pathlib import Path
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 MODEL_FILE = "model.onnx"
-OPSET = 24  # TensorScatter and Attention(nonpad_kv_seqlen) need opset 24
+OPSET = 24  # TensorScatter (the in-place KV write) needs opset 24
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 KV_LAYOUTS = ("concat", "inplace")

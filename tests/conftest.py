@@ -1,6 +1,7 @@
-"""Shared fixtures: real exports of the tiny preset, made once per test session."""
+"""Shared fixtures, made once per test session: real exports of the tiny preset, a real tritonserver."""
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -36,3 +37,26 @@ def exports(tmp_path_factory):
         return made[key]
 
     return make
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@pytest.fixture(scope="session")
+def triton(exports, tmp_path_factory):
+    """A real tritonserver on free loopback ports serving `llm` and `step` for the tiny export."""
+    from engines.repository import write_repository
+    from runtime.triton_server import TritonServer
+
+    repo = tmp_path_factory.mktemp("model_repository")
+    write_repository(exports(), repo)
+    http, grpc, metrics = free_ports(3)
+    with TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics) as server:
+        yield server

@@ -120,9 +120,8 @@ def test_offline_op_check_on_real_exports(exports, tmp_path):
     old = trt_ops.unsupported_ops(inplace, "10.13")
     assert any(line.startswith("Attention x2: ") and "added in 10.14" in line for line in old)
     assert any(line.startswith("TensorScatter x") and "added in 10.15" in line for line in old)
-    # 11.0 imports both ops, but no documented parser takes Attention's nonpad_kv_seqlen input
-    newest = trt_ops.unsupported_ops(inplace, trt_ops.DEFAULT_TARGET)
-    assert len(newest) == 1 and newest[0].startswith("Attention x2: ") and "nonpad_kv_seqlen" in newest[0]
+    # from 10.15 the fp32 in-place export imports whole: TensorScatter in place, Attention with a mask
+    assert trt_ops.unsupported_ops(inplace, "10.15") == [] == trt_ops.unsupported_ops(inplace, "11.0")
     int8 = trt_ops.unsupported_ops(exports("inplace", "int8") / "model.onnx", "11.0")
     assert any(line.startswith("TensorScatter x") and "INT8" in line and "not updated in place" in line
                for line in int8)
