@@ -171,7 +171,7 @@ def build(export_dir: Path, out_dir: Path, manifest: Manifest, precision: str = 
     for name in manifest.tokenizer.get("files", []):
         shutil.copy2(export_dir / name, out_dir / name)
     return {"backend": "tensorrt", "file": PLAN_FILE, **host, "precision": precision,
-            "build_flags": ["STRONGLY_TYPED"], "timing_cache": str(timing_cache),
+            "build_flags": ["STRONGLY_TYPED"], "timing_cache": str(timing_cache), "max_batch_size": max_slots,
             "profiles": [{name: {"min": list(s[0]), "opt": list(s[1]), "max": list(s[2])}
                           for name, s in shapes.items()}],
             "build_seconds": round(time.perf_counter() - started, 2), "size_bytes": plan.nbytes}

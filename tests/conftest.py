@@ -1,7 +1,6 @@
 """Shared fixtures, made once per test session: real exports of the tiny preset, a real tritonserver."""
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +8,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+SERVING_CONTEXT = 2048
+SERVING_SLOTS = 10
 
 
 def run_cli(*args: str, check: bool = False, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -39,24 +40,15 @@ def exports(tmp_path_factory):
     return make
 
 
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 @pytest.fixture(scope="session")
 def triton(exports, tmp_path_factory):
-    """A real tritonserver on free loopback ports serving `llm` and `step` for the tiny export."""
+    """A real tritonserver on free loopback ports serving `llm` and `step` for the tiny export.
+    The preset's whole context lets a request run long enough to be cancelled mid-generation."""
     from engines.repository import write_repository
-    from runtime.triton_server import TritonServer
+    from runtime.triton_server import TritonServer, free_ports
 
     repo = tmp_path_factory.mktemp("model_repository")
-    write_repository(exports(), repo)
+    write_repository(exports(max_seq_len=SERVING_CONTEXT), repo, slots=SERVING_SLOTS)
     http, grpc, metrics = free_ports(3)
     with TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics) as server:
         yield server

@@ -1,0 +1,191 @@
+"""Triton model `llm`: streaming generation with continuous batching (kvforge's LLMEngine).
+
+Decoupled: execute() only parses and submits, then returns; the engine's thread generates and
+hands outputs to a sender thread, so a slow client never stalls decoding. The sender also
+polls `is_cancelled()` (a client that went away frees its slot at the next step) and updates
+the custom metrics. Inputs and outputs use the names of the TensorRT-LLM/vLLM backends, so
+/v2/models/llm/generate, /generate_stream and gRPC stream_infer work as with those.
+"""
+import json
+import queue
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from runtime.llm_engine import LLMEngine, QueueFullError, RequestError, SamplingParams
+
+POLL_SECONDS = 0.1
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# engine stats key -> custom metric on Triton's metrics port
+METRICS = [
+    ("kv_utilization", "kvforge_kv_cache_utilization", "Share of KV cache blocks holding tokens (0..1)", "GAUGE"),
+    ("running", "kvforge_running_sequences", "Sequences in the running batch", "GAUGE"),
+    ("waiting", "kvforge_waiting_sequences", "Requests waiting for a KV slot", "GAUGE"),
+    ("generated_tokens", "kvforge_generated_tokens_total", "Tokens generated", "COUNTER"),
+    ("steps", "kvforge_steps_total", "Engine steps run", "COUNTER"),
+    ("multi_row_steps", "kvforge_batched_steps_total", "Engine steps that ran more than one sequence", "COUNTER"),
+    ("finished", "kvforge_finished_requests_total", "Requests ended by a stop, their length or an error", "COUNTER"),
+    ("cancelled", "kvforge_cancelled_requests_total", "Requests ended because their client went away", "COUNTER"),
+]
+
+
+class Client:
+    """One request's response sender; without streaming, it gathers the output for one response."""
+
+    def __init__(self, sender, stream: bool):
+        self.sender, self.stream = sender, stream
+        self.request_id = None  # set once the engine accepted the request
+        self.cancelled = self.finished = False
+        self.gathered = None
+
+
+def one_value(request, name, default, convert):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return default
+    values = tensor.as_numpy().reshape(-1)
+    if values.size != 1:
+        raise RequestError(f"{name} must hold exactly one value (one prompt per request), got {values.size}")
+    return convert(values[0])
+
+
+def utf8(name):
+    def convert(value: bytes) -> str:
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RequestError(f"{name} is not valid UTF-8: {e.reason} at byte {e.start}") from None
+    return convert
+
+
+def parse(request):
+    stop = pb_utils.get_input_tensor_by_name(request, "stop")
+    params = SamplingParams(
+        max_tokens=one_value(request, "max_tokens", None, int),
+        temperature=one_value(request, "temperature", 0.0, float),
+        top_p=one_value(request, "top_p", 1.0, float),
+        top_k=one_value(request, "top_k", 0, int),
+        seed=one_value(request, "seed", None, int),
+        stop=tuple(map(utf8("stop"), stop.as_numpy().reshape(-1))) if stop is not None else ())
+    return one_value(request, "text_input", "", utf8("text_input")), params, one_value(request, "stream", False, bool)
+
+
+def response(text, ids):
+    return pb_utils.InferenceResponse(output_tensors=[
+        pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_)),
+        pb_utils.Tensor("output_ids", np.array([ids], dtype=np.int32))])
+
+
+def error(message, code):
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config["parameters"].items()}
+        self.engine = LLMEngine(Path(args["model_repository"]).parent / params["engine_dir"],
+                                slots=int(params["slots"]), max_waiting=int(params["max_waiting"]),
+                                kv_cache_bytes=int(params["kv_cache_bytes"]))
+        self.outbox = queue.Queue()
+        self.live = set()
+        self.live_lock = threading.Lock()
+        labels = {"model": args["model_name"], "version": args["model_version"]}
+        # MetricFamily exists only in a model instance's stub, not while Triton loads this file
+        self.families = {key: pb_utils.MetricFamily(name, description, getattr(pb_utils.MetricFamily, kind))
+                         for key, name, description, kind in METRICS}
+        self.metrics = {key: family.Metric(labels=labels) for key, family in self.families.items()}
+        self.sender = threading.Thread(target=self.send_loop, name="llm-sender", daemon=True)
+        self.sender.start()
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                prompt, params, stream = parse(request)
+                client = Client(sender, stream)
+                client.request_id = self.engine.submit(prompt, params, lambda out, c=client: self.outbox.put((c, out)))
+                with self.live_lock:
+                    if not client.finished:  # a short request may be done already
+                        self.live.add(client)
+            except QueueFullError as e:
+                sender.send(error(str(e), pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
+            except RequestError as e:
+                sender.send(error(str(e), pb_utils.TritonError.INVALID_ARG), flags=FINAL)
+        return None
+
+    def send_loop(self):
+        next_poll, stopping = 0.0, False
+        while not stopping:
+            try:
+                items = [self.outbox.get(timeout=POLL_SECONDS)]
+            except queue.Empty:
+                items = []
+            while True:
+                try:
+                    items.append(self.outbox.get_nowait())
+                except queue.Empty:
+                    break
+            # a stream that fell behind the engine gets its queued tokens as one response
+            pending = {}
+            for item in items:
+                if item is None:
+                    stopping = True
+                    continue
+                client, out = item
+                pending[client] = pending[client].merge(out) if client in pending else out
+            for client, out in pending.items():
+                try:
+                    self.send(client, out)
+                except Exception as e:  # one request's failed send must not stop every other stream
+                    pb_utils.Logger.log_error(f"llm: sending a response failed: {e}")
+            if time.monotonic() >= next_poll:
+                self.poll()
+                next_poll = time.monotonic() + POLL_SECONDS
+
+    def check_cancelled(self, client):
+        """True once the client went away; the engine then ends the request with a "cancelled" output."""
+        if client.request_id is not None and not client.cancelled and client.sender.is_cancelled():
+            client.cancelled = True
+            self.engine.cancel(client.request_id)
+        return client.cancelled
+
+    def send(self, client, out):
+        if not out.finished and self.check_cancelled(client):
+            return
+        if out.finished:
+            with self.live_lock:
+                client.finished = True
+                self.live.discard(client)
+        if out.finish_reason == "cancelled":
+            client.sender.send(error("the request was cancelled", pb_utils.TritonError.CANCELLED), flags=FINAL)
+        elif out.error:
+            client.sender.send(error(out.error, pb_utils.TritonError.INTERNAL), flags=FINAL)
+        elif client.stream:
+            client.sender.send(response(out.text, out.token_ids), flags=FINAL if out.finished else 0)
+        else:
+            client.gathered = client.gathered.merge(out) if client.gathered else out
+            if out.finished:
+                client.sender.send(response(client.gathered.text, client.gathered.token_ids), flags=FINAL)
+
+    def poll(self):
+        with self.live_lock:
+            clients = list(self.live)
+        for client in clients:
+            self.check_cancelled(client)
+        stats = self.engine.stats()
+        for key, _, _, kind in METRICS:
+            if kind == "GAUGE":
+                self.metrics[key].set(stats[key])
+            elif stats[key] > self.metrics[key].value():
+                self.metrics[key].increment(stats[key] - self.metrics[key].value())
+
+    def finalize(self):
+        self.engine.close()  # ends what is left with an error output, sent below
+        self.outbox.put(None)
+        self.sender.join()
+        self.metrics.clear()  # metrics before their families, as the backend requires
+        self.families.clear()

@@ -1,0 +1,34 @@
+"""Triton model `step`: the raw decoder step for scoring, batched by Triton's dynamic batcher.
+
+input_ids [n] (INT64) -> logits [n, vocab] (FP32) of every position. Requests that arrive
+together run as one padded step; no KV cache outlives a request.
+"""
+import json
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from runtime.sampling import RequestError
+from runtime.scorer import Scorer
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        engine_dir = Path(args["model_repository"]).parent / config["parameters"]["engine_dir"]["string_value"]
+        self.scorer = Scorer(engine_dir, max_rows=config["max_batch_size"])
+
+    def execute(self, requests):
+        responses, batch = [None] * len(requests), []
+        for i, request in enumerate(requests):
+            try:
+                batch.append((i, self.scorer.check(pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy())))
+            except RequestError as e:
+                responses[i] = pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG))
+        if batch:
+            for (i, _), logits in zip(batch, self.scorer.score([ids for _, ids in batch])):
+                responses[i] = pb_utils.InferenceResponse(
+                    output_tensors=[pb_utils.Tensor("logits", np.ascontiguousarray(logits[None]))])
+        return responses

@@ -1,0 +1,56 @@
+"""Every serving limit, derived from the manifest in one place.
+
+The engine enforces them, and `engines repository` writes them into config.pbtxt, so Triton's
+batch sizes and the runtime's admission control always agree.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvforge.manifest import KV_BLOCK_TOKENS, Manifest, kv_blocks
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+MAX_SLOTS = 32
+WAITING_PER_SLOT = 8
+# The step model returns logits for every position: rows * max_seq_len * vocab floats.
+SCORE_LOGITS_BYTES = 256 << 20
+# Prompt text is refused before tokenizing when it is longer than this many characters per
+# context token (no tokenizer packs more), so a huge body cannot tie up the tokenizer.
+MAX_CHARS_PER_TOKEN = 32
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_seq_len: int
+    vocab_size: int
+    slots: int  # sequences decoding at once, each owning a KV slot
+    kv_blocks: int  # KV tokens admission may promise, in blocks of KV_BLOCK_TOKENS
+    max_waiting: int
+    score_rows: int  # sequences per step-model batch
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.max_seq_len * MAX_CHARS_PER_TOKEN
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.kv_blocks * KV_BLOCK_TOKENS
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest, slots: int | None = None, max_waiting: int | None = None,
+                      kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES) -> "Limits":
+        """Default slots make the worst case (every slot at max_seq_len) fit kv_cache_bytes,
+        bounded by what the engine was built for (a TensorRT profile's max batch)."""
+        per_slot = manifest.max_seq_len * manifest.kv_bytes_per_token
+        engine_rows = int(manifest.engine.get("max_batch_size") or MAX_SLOTS)
+        if slots is None:
+            slots = max(1, min(MAX_SLOTS, engine_rows, kv_cache_bytes // per_slot))
+        if not 0 < slots <= engine_rows:
+            raise ValueError(f"slots must be in 1..{engine_rows}, got {slots}")
+        blocks = min(kv_cache_bytes // (manifest.kv_bytes_per_token * KV_BLOCK_TOKENS),
+                     slots * kv_blocks(manifest.max_seq_len))
+        vocab = manifest.model.vocab_size
+        return cls(max_seq_len=manifest.max_seq_len, vocab_size=vocab, slots=slots,
+                   kv_blocks=max(1, blocks),
+                   max_waiting=max_waiting if max_waiting is not None else WAITING_PER_SLOT * slots,
+                   score_rows=max(1, min(slots, SCORE_LOGITS_BYTES // (manifest.max_seq_len * vocab * 4))))

@@ -1,0 +1,182 @@
+"""LLMEngine: continuous-batching generation over an engine dir, driven by one background thread.
+
+    engine = LLMEngine("model_repository/llm/1/engine")
+    request_id = engine.submit("def f(x):", SamplingParams(max_tokens=32), on_output=print)
+    engine.cancel(request_id)
+    outputs = engine.generate(["a", "b"], SamplingParams(max_tokens=8))  # one merged output each
+
+`on_output` runs on the engine thread: it must only hand the output on (e.g. to a queue).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from pathlib import Path
+from typing import Callable
+
+from kvforge.manifest import Manifest, ManifestError
+from runtime.block_manager import BlockManager
+from runtime.limits import DEFAULT_KV_CACHE_BYTES, Limits
+from runtime.runner import open_runner
+from runtime.sampling import RequestError, SamplingParams
+from runtime.scheduler import PREFILL_TOKENS, QueueFullError, Scheduler
+from runtime.sequence import RequestOutput, Sequence
+from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+
+__all__ = ["LLMEngine", "RequestError", "QueueFullError", "RequestOutput", "SamplingParams"]
+
+log = logging.getLogger("kvforge.engine")
+Prompt = str | list[int]
+
+
+class LLMEngine:
+    def __init__(self, engine_dir: Path | str, *, slots: int | None = None, max_waiting: int | None = None,
+                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, prefill_tokens: int = PREFILL_TOKENS,
+                 threads: int | None = None):
+        engine_dir = Path(engine_dir)
+        manifest = Manifest.load(engine_dir)
+        if manifest.kv_layout != "inplace":
+            raise ManifestError(f"continuous batching needs the inplace KV layout; {engine_dir} is "
+                                f"{manifest.kv_layout} (re-export with --kv-layout inplace)")
+        self.manifest = manifest
+        self.limits = Limits.from_manifest(manifest, slots, max_waiting, kv_cache_bytes)
+        self.tokenizer = Tokenizer(engine_dir, manifest)
+        self.runner = open_runner(engine_dir, threads)
+        self.scheduler = Scheduler(self.runner, BlockManager(self.limits.kv_blocks, self.limits.slots),
+                                   self.limits.max_waiting, prefill_tokens)
+        self._ids = itertools.count(1)
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="kvforge-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None,
+               on_output: Callable[[RequestOutput], None] | None = None) -> int:
+        """Queue a request; returns its id. Raises RequestError (QueueFullError when saturated)."""
+        params = params or SamplingParams()
+        params.validate()
+        ids = self._prompt_ids(prompt)
+        limit = self.limits.max_seq_len
+        if len(ids) >= limit:
+            raise RequestError(f"the prompt is {len(ids)} tokens; the context holds {limit} tokens "
+                               "including at least one generated token")
+        if params.max_tokens > limit - len(ids):
+            raise RequestError(f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                               f"the context of {limit} tokens; ask for at most {limit - len(ids)} tokens")
+        seq = Sequence(next(self._ids), ids, params, on_output or (lambda out: None),
+                       IncrementalDetokenizer(self.tokenizer, ids),
+                       frozenset(self.tokenizer.eos_token_ids) | frozenset(params.stop_token_ids))
+        if not self.scheduler.blocks.fits_ever(seq):
+            raise RequestError(f"the request needs {seq.max_tokens_total} KV tokens but the cache holds "
+                               f"{self.limits.kv_tokens}; lower max_tokens or shorten the prompt")
+        with self._cond:
+            if self._closed:
+                raise RequestError("the engine is shut down")
+            self.scheduler.add(seq)
+            self._cond.notify()
+        return seq.request_id
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if len(prompt) > self.limits.max_prompt_chars:
+                raise RequestError(f"the prompt is {len(prompt)} characters; the limit is "
+                                   f"{self.limits.max_prompt_chars} for a {self.limits.max_seq_len}-token context")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if any(not 0 <= t < self.limits.vocab_size for t in prompt):
+                raise RequestError(f"prompt token ids must be in 0..{self.limits.vocab_size - 1}")
+            ids = list(prompt)
+        else:
+            raise RequestError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise RequestError("the prompt is empty")
+        return ids
+
+    def cancel(self, request_id: int) -> bool:
+        """Stop a request at the next step and free its slot; False if it is not live."""
+        with self._cond:
+            known = self.scheduler.cancel(request_id)
+            self._cond.notify()
+        return known
+
+    def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
+                 timeout: float | None = None) -> list[RequestOutput]:
+        """Blocking convenience: run all prompts together (one params for all, or one per prompt)
+        and return each request's outputs merged into one; raise RequestError if any fails."""
+        if not isinstance(params, list):
+            params = [params] * len(prompts)
+        done = threading.Semaphore(0)
+        results: dict[int, RequestOutput] = {}
+
+        def collect(out: RequestOutput) -> None:
+            results[out.request_id] = results[out.request_id].merge(out) if out.request_id in results else out
+            if out.finished:
+                done.release()
+
+        ids = [self.submit(prompt, p, collect) for prompt, p in zip(prompts, params, strict=True)]
+        for _ in ids:
+            if not done.acquire(timeout=timeout):
+                raise TimeoutError(f"generation did not finish within {timeout} s")
+        errors = [results[i].error for i in ids if results[i].error]
+        if errors:
+            raise RequestError(errors[0])
+        return [results[i] for i in ids]
+
+    def stats(self) -> dict:
+        with self._cond:
+            s = self.scheduler
+            return dict(running=len(s.running), waiting=len(s.waiting), slots=self.limits.slots,
+                        kv_utilization=s.blocks.utilization,
+                        kv_reserved=s.blocks.reserved / s.blocks.num_blocks,
+                        kv_bytes_allocated=self.runner.kv_bytes_allocated, capacity=self.runner.capacity,
+                        **s.counters)
+
+    # ------------------------------------------------------------------ the step loop
+
+    def _loop(self) -> None:
+        while True:
+            outputs = []
+            with self._cond:
+                while not self._closed and not self.scheduler.has_work():
+                    self._cond.wait()
+                if self._closed:
+                    break
+            try:
+                with self._cond:
+                    outputs, batch = self.scheduler.schedule()
+                if batch is not None:
+                    logits = self.scheduler.execute(batch)
+                    with self._cond:
+                        outputs += self.scheduler.postprocess(batch, logits)
+            except Exception as e:  # a failed step ends the running requests, not the engine
+                log.exception("engine step failed")
+                with self._cond:
+                    outputs += self.scheduler.fail_running(f"the engine step failed: {e}")
+            self._emit(outputs)
+        with self._cond:
+            s = self.scheduler
+            outputs = [(seq, seq.finish("error", "the engine shut down")) for seq in [*s.waiting, *s.running]]
+        self._emit(outputs)
+
+    @staticmethod
+    def _emit(outputs: list[tuple[Sequence, RequestOutput]]) -> None:
+        for seq, out in outputs:
+            try:
+                seq.on_output(out)
+            except Exception:
+                log.exception("on_output of request %d failed", out.request_id)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join()
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,113 @@
+"""One request's state: its tokens, how many are in the KV cache, its text stream and its end."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable
+
+import numpy as np
+
+from runtime.sampling import SamplingParams, find_stop, stop_hold_back
+from runtime.tokenizer import IncrementalDetokenizer
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    """What a request produced since its previous output; the last one has finished=True."""
+
+    request_id: int
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    error: str | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+    def merge(self, later: "RequestOutput") -> "RequestOutput":
+        """This output followed by the request's next one, as a single output."""
+        return RequestOutput(self.request_id, self.text + later.text, self.token_ids + later.token_ids,
+                             later.finished, later.finish_reason, later.error, later.prompt_tokens,
+                             later.output_tokens)
+
+
+@dataclass
+class Sequence:
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_output: Callable[[RequestOutput], None]
+    detokenizer: IncrementalDetokenizer
+    stop_token_ids: frozenset[int]
+    status: Status = Status.WAITING
+    num_cached: int = 0  # leading tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list)
+    reserved_blocks: int = 0
+    finish_reason: str | None = None
+    arrived: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self):
+        self.tokens = list(self.prompt_ids)
+        self.rng = np.random.default_rng(self.params.seed)
+        self.text = ""
+        self.sent_chars = 0
+        self.unsent_ids: list[int] = []
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    @property
+    def pending(self) -> int:
+        """Tokens the next steps must feed before a new token can be sampled."""
+        return len(self.tokens) - self.num_cached
+
+    @property
+    def max_tokens_total(self) -> int:
+        return self.num_prompt + self.params.max_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def append(self, token: int) -> RequestOutput | None:
+        """Take a sampled token; returns an output when there is something to send."""
+        if token in self.stop_token_ids:
+            return self.finish("stop")
+        self.tokens.append(token)
+        self.unsent_ids.append(token)
+        before = len(self.text)
+        self.text += self.detokenizer.push(token)
+        stop_at = find_stop(self.text, self.params.stop, before)
+        if stop_at >= 0:
+            self.text = self.text[:stop_at]
+            return self.finish("stop", flush=False)
+        if self.num_output >= self.params.max_tokens:
+            return self.finish("length")
+        ready = len(self.text) - stop_hold_back(self.text, self.params.stop)
+        return self._output(ready) if ready > self.sent_chars else None
+
+    def finish(self, reason: str, error: str | None = None, flush: bool = True) -> RequestOutput:
+        if flush:  # text cut at a stop string ends there; otherwise held-back bytes go out now
+            self.text += self.detokenizer.flush()
+        self.status, self.finish_reason = Status.FINISHED, reason
+        out = self._output(len(self.text))
+        out.finished, out.finish_reason, out.error = True, reason, error
+        return out
+
+    def _output(self, upto: int) -> RequestOutput:
+        out = RequestOutput(self.request_id, self.text[self.sent_chars:upto], self.unsent_ids,
+                            prompt_tokens=self.num_prompt, output_tokens=self.num_output)
+        self.sent_chars, self.unsent_ids = upto, []
+        return out

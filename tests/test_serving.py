@@ -1,0 +1,263 @@
+"""The Triton model repository served by a real tritonserver, through real tritonclient calls."""
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from clients.api import GenerationError, LLMClient
+from kvforge.manifest import Manifest
+from runtime.llm_engine import LLMEngine, SamplingParams
+from runtime.runner import open_runner
+from tests.conftest import SERVING_CONTEXT, SERVING_SLOTS
+
+PROMPT = "def fibonacci(n):"
+
+
+@pytest.fixture(scope="module")
+def grpc(triton):
+    return LLMClient(triton.grpc_url, "grpc")
+
+
+@pytest.fixture(scope="module")
+def http(triton):
+    return LLMClient(triton.http_url, "http")
+
+
+def metrics(triton) -> dict[str, float]:
+    """kvforge's custom metrics as {name: value} (one `llm` model, so one series each)."""
+    text = urllib.request.urlopen(triton.metrics_url, timeout=10).read().decode()
+    return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("kvforge_")}
+
+
+def wait_for_metrics(triton, condition, what: str, timeout: float = 10.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        values = metrics(triton)
+        if condition(values):
+            return values
+        time.sleep(0.05)
+    raise AssertionError(f"metrics never showed {what}: {values}")
+
+
+def settled_metrics(triton) -> dict[str, float]:
+    """Metrics once earlier requests are fully counted (the model publishes them every 0.1 s)."""
+    reads = [metrics(triton)]
+    for _ in range(50):
+        time.sleep(0.2)
+        reads = reads[-2:] + [metrics(triton)]
+        if len(reads) == 3 and reads[0] == reads[1] == reads[2] and reads[2]["kvforge_running_sequences"] == 0:
+            return reads[2]
+    raise AssertionError(f"metrics never settled: {reads[-1]}")
+
+
+def test_streaming_arrives_as_tokens_are_generated(grpc):
+    deltas = list(grpc.stream(PROMPT, max_tokens=200))
+    assert deltas[-1].final and not any(d.final for d in deltas[:-1])
+    assert sum(len(d.token_ids) for d in deltas) == 200
+    # each response carries the tokens made since the previous one: one at a time unless the
+    # tiny model outran the response path, and never everything at the end
+    assert len(deltas) >= 8 and len(deltas[0].token_ids) < 100, [len(d.token_ids) for d in deltas]
+    assert [d.time for d in deltas] == sorted(d.time for d in deltas)
+
+
+def pytorch_greedy(engine_dir, prompt_ids: list[int], max_tokens: int, eos: set[int]) -> list[int]:
+    """The Hugging Face checkpoint itself, recomputing the whole sequence for every token."""
+    from export.verify import hf_logits, reference_model
+
+    model = reference_model(Manifest.load(engine_dir))
+    tokens = list(prompt_ids)
+    while len(tokens) - len(prompt_ids) < max_tokens:
+        token = int(np.argmax(hf_logits(model, tokens)[-1]))
+        if token in eos:
+            break
+        tokens.append(token)
+    return tokens[len(prompt_ids):]
+
+
+def test_greedy_through_triton_equals_in_process_and_pytorch(triton, exports, grpc, http):
+    engine_dir = exports(max_seq_len=SERVING_CONTEXT)
+    with LLMEngine(engine_dir) as engine:
+        expected = engine.generate([PROMPT], SamplingParams(max_tokens=32))[0]
+        seeded = engine.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=5))[0]
+        assert expected.token_ids == pytorch_greedy(engine_dir, engine.tokenizer.encode(PROMPT), 32,
+                                                    set(engine.tokenizer.eos_token_ids))
+    for client in (grpc, http):
+        for stream in (True, False):
+            got = client.generate(PROMPT, max_tokens=32, stream=stream)
+            assert (got.text, got.token_ids) == (expected.text, expected.token_ids), (client.protocol, stream)
+    assert grpc.generate(PROMPT, max_tokens=16, temperature=0.9, top_p=0.95, seed=5).token_ids == seeded.token_ids
+
+
+def test_http_generate_and_generate_stream_endpoints(triton):
+    def post(endpoint: str, body: dict) -> bytes:
+        request = urllib.request.Request(f"http://{triton.http_url}/v2/models/llm/{endpoint}",
+                                         data=json.dumps(body).encode(), method="POST")
+        return urllib.request.urlopen(request, timeout=30).read()
+
+    one = json.loads(post("generate", {"text_input": PROMPT, "max_tokens": 200}))
+    assert len(one["output_ids"]) == 200 and one["text_output"]
+    events = [json.loads(line[5:]) for line in post("generate_stream", {"text_input": PROMPT, "max_tokens": 200,
+                                                                        "stream": True}).splitlines()
+              if line.startswith(b"data:")]
+    assert len(events) > 1 and "".join(e["text_output"] for e in events) == one["text_output"]
+    stop = one["text_output"][5:9]
+    stopped = json.loads(post("generate", {"text_input": PROMPT, "max_tokens": 12, "stop": [stop]}))
+    assert stopped["text_output"] == one["text_output"][:one["text_output"].index(stop)]
+
+
+def test_concurrent_requests_run_in_the_same_steps(triton, grpc):
+    before = settled_metrics(triton)
+    start = threading.Barrier(SERVING_SLOTS)
+    results: list = [None] * SERVING_SLOTS
+
+    def one(i: int) -> None:
+        start.wait()
+        results[i] = grpc.generate(f"{PROMPT} # {i}", max_tokens=200)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(SERVING_SLOTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert all(r is not None and len(r.token_ids) == 200 for r in results)
+    tokens = 200 * SERVING_SLOTS
+    after = wait_for_metrics(triton, lambda m: m["kvforge_generated_tokens_total"]
+                             >= before["kvforge_generated_tokens_total"] + tokens, f"{tokens} more tokens")
+    steps = after["kvforge_steps_total"] - before["kvforge_steps_total"]
+    batched = after["kvforge_batched_steps_total"] - before["kvforge_batched_steps_total"]
+    # one sequence at a time would take a step per token; together they share most steps
+    assert steps <= tokens / 2 and batched >= 100, (steps, batched)
+
+
+def test_cancellation_frees_the_slots(triton, grpc):
+    before = settled_metrics(triton)
+
+    def cancel_after_first_delta() -> None:
+        for _ in grpc.stream(PROMPT, max_tokens=2000):
+            break  # leaving the stream cancels the request on the server
+
+    # Every slot decoding a long request makes steps slow enough for cancellations to land
+    # mid-generation; on a loaded machine a client may still see its first token so late that
+    # its request is done by then, but not every one of them.
+    threads = [threading.Thread(target=cancel_after_first_delta) for _ in range(SERVING_SLOTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+
+    def ended(m: dict[str, float]) -> float:
+        return m["kvforge_finished_requests_total"] + m["kvforge_cancelled_requests_total"]
+
+    after = wait_for_metrics(triton, lambda m: ended(m) == ended(before) + SERVING_SLOTS, "every request ended")
+    assert after["kvforge_cancelled_requests_total"] > before["kvforge_cancelled_requests_total"]
+    generated = after["kvforge_generated_tokens_total"] - before["kvforge_generated_tokens_total"]
+    assert generated < SERVING_SLOTS * 2000
+    assert after["kvforge_running_sequences"] == after["kvforge_waiting_sequences"] == 0
+    assert after["kvforge_kv_cache_utilization"] == 0
+    assert grpc.generate(PROMPT, max_tokens=4).token_ids
+
+
+def test_custom_metrics_are_exported(triton, grpc):
+    grpc.generate(PROMPT, max_tokens=4)
+    values = wait_for_metrics(triton, lambda m: m.get("kvforge_generated_tokens_total", 0) >= 4, "tokens")
+    assert {"kvforge_kv_cache_utilization", "kvforge_running_sequences", "kvforge_waiting_sequences",
+            "kvforge_generated_tokens_total", "kvforge_steps_total", "kvforge_batched_steps_total",
+            "kvforge_finished_requests_total", "kvforge_cancelled_requests_total"} <= values.keys()
+
+
+def raw_stream(triton, values: list[tuple[str, np.ndarray, str]]) -> str:
+    """Send hand-made inputs over stream_infer; return the error message (or '' on success)."""
+    client = grpcclient.InferenceServerClient(triton.grpc_url)
+    tensors = []
+    for name, data, datatype in values:
+        tensors.append(grpcclient.InferInput(name, list(data.shape), datatype))
+        tensors[-1].set_data_from_numpy(data)
+    done, errors = threading.Event(), []
+
+    def callback(result, error):
+        errors.append(error.message() if error else "")
+        done.set()
+
+    client.start_stream(callback)
+    client.async_stream_infer("llm", tensors)
+    assert done.wait(30), "no response"
+    client.stop_stream()
+    return errors[0]
+
+
+@pytest.mark.parametrize("request_kwargs, message, over_http", [
+    (dict(prompt=""), "the prompt is empty", True),
+    (dict(prompt="word " * 2500), "the context holds 2048", True),
+    (dict(prompt="x", max_tokens=0), "max_tokens must be at least 1", True),
+    (dict(prompt="x", max_tokens=-3), "max_tokens must be at least 1", True),
+    (dict(prompt="x", max_tokens=100000), "exceeds the context of 2048", True),
+    (dict(prompt="x", temperature=-1.0), "temperature must be a finite number", True),
+    (dict(prompt="x", temperature=float("nan")), "temperature must be a finite number", False),  # JSON has no NaN
+    (dict(prompt="x", top_p=0.0), "top_p must be in (0, 1]", True),
+    (dict(prompt="x", top_p=1.5), "top_p must be in (0, 1]", True),
+    (dict(prompt="x", top_k=-1), "top_k must be an integer >= 0", True),
+    (dict(prompt=b"caf\xe9 \xff"), "text_input is not valid UTF-8", False),  # JSON carries only valid text
+    (dict(prompt="x", stop=[b"\xc3"]), "stop is not valid UTF-8", False),
+])
+def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(grpc, http, request_kwargs, message, over_http):
+    kwargs = {"max_tokens": 4, **request_kwargs}
+    for client in (grpc, http) if over_http else (grpc,):
+        with pytest.raises(GenerationError, match=re.escape(message)):
+            client.generate(**kwargs, stream=False)
+    assert len(grpc.generate(PROMPT, max_tokens=3).token_ids) == 3
+
+
+def test_wrong_types_are_refused_by_triton_and_the_server_keeps_serving(triton, grpc):
+    text = ("text_input", np.array([[b"x"]], dtype=np.object_), "BYTES")
+    assert "expects 'INT32'" in raw_stream(triton, [text, ("max_tokens", np.array([[3.0]], np.float32), "FP32")])
+    assert "expects 'BYTES'" in raw_stream(triton, [("text_input", np.array([[7]], np.int32), "INT32"),
+                                                    ("max_tokens", np.array([[3]], np.int32), "INT32")])
+    assert "max_tokens" in raw_stream(triton, [text])  # a required input missing
+    assert "unexpected shape" in raw_stream(triton, [text, ("max_tokens", np.array([[3, 4]], np.int32), "INT32")])
+    two_prompts = [("text_input", np.array([[b"x"], [b"y"]], np.object_), "BYTES"),
+                   ("max_tokens", np.array([[3], [3]], np.int32), "INT32")]
+    assert "one prompt per request" in raw_stream(triton, two_prompts)
+    request = urllib.request.Request(f"http://{triton.http_url}/v2/models/llm/generate", method="POST",
+                                     data=b'{"text_input": "x", "max_tokens": "many"}')
+    with pytest.raises(urllib.error.HTTPError) as error:
+        urllib.request.urlopen(request, timeout=30)
+    assert "Unable to parse" in json.loads(error.value.read())["error"]  # Triton answers 500 here
+    assert raw_stream(triton, [text, ("max_tokens", np.array([[3]], np.int32), "INT32")]) == ""
+    assert len(grpc.generate(PROMPT, max_tokens=3).token_ids) == 3
+
+
+def test_step_model_scores_with_dynamic_batching(triton, exports):
+    runner = open_runner(exports(max_seq_len=SERVING_CONTEXT))
+    runner.allocate(1, 64)
+    sequences = [np.array([5, 17, 99, 3], np.int64), np.array([42, 7], np.int64)]
+    results: list = [None, None]
+
+    def score(i: int) -> None:
+        client = httpclient.InferenceServerClient(triton.http_url)
+        ids = httpclient.InferInput("input_ids", [1, len(sequences[i])], "INT64")
+        ids.set_data_from_numpy(sequences[i][None])
+        results[i] = client.infer("step", [ids]).as_numpy("logits")[0]
+
+    threads = [threading.Thread(target=score, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for ids, logits in zip(sequences, results):
+        expected = runner.step(ids[None], np.array([0]), np.array([len(ids)]))[0]
+        np.testing.assert_allclose(logits, expected, atol=1e-4)
+    client = httpclient.InferenceServerClient(triton.http_url)
+    bad = httpclient.InferInput("input_ids", [1, 2], "INT64")
+    bad.set_data_from_numpy(np.array([[1, 10 ** 6]], np.int64))
+    with pytest.raises(Exception, match="input_ids must be in"):
+        client.infer("step", [bad])
