@@ -4,7 +4,8 @@ PYTHON_BOOT ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 
-MODEL ?= tiny-llama
+# a 3.8M-parameter Llama trained on the Python standard library (bench/train.py): writes Python-ish text
+MODEL ?= models/stdlib-llama
 KV_LAYOUT ?= inplace
 KV_DTYPE ?= fp32
 MAX_SEQ_LEN ?= 1024
@@ -18,7 +19,8 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 PROMPT ?= def fibonacci(n):
-MAX_TOKENS ?= 48
+MAX_TOKENS ?= 64
+SAMPLING ?= --temperature 0.8 --top-p 0.9 --seed 1
 
 .PHONY: setup export verify build-engines serve run test bench clean
 
@@ -49,7 +51,7 @@ serve: setup
 run: build-engines
 	$(PY) -m runtime.triton_server --repo model_repository --host $(HOST) \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
-		-- $(PY) -m clients.generate "$(PROMPT)" --url $(HOST):$(GRPC_PORT) --max-tokens $(MAX_TOKENS)
+		-- $(PY) -m clients.generate "$(PROMPT)" --url $(HOST):$(GRPC_PORT) --max-tokens $(MAX_TOKENS) $(SAMPLING)
 
 test: setup
 	$(PY) -m pytest -q

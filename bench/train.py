@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,23 +22,25 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from bench.common import EVAL_WINDOW
 from export.model import CausalLM
 from export.presets import PRESETS, hf_config, random_weights, stdlib_corpus, train_tokenizer, write_tokenizer
+from kvforge.cli import atomic_directory
 from kvforge.manifest import KV_DTYPES, ModelSpec
 
 TOKENIZER_PRESET = "tiny-llama"
-# Embeddings tied to the lm_head keep the fp16 file under 8 MB with 4 layers of width 256.
-ARCHITECTURE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                    intermediate_size=688, vocab_size=PRESETS[TOKENIZER_PRESET]["vocab_size"],
-                    max_position_embeddings=2048, tie_word_embeddings=True)
+# Ten minutes of one core is ~2M tokens: a narrow model (1.8M parameters) learns more from them
+# than the 3.8M-parameter width-256 one did (measured: lower loss at equal time).
+ARCHITECTURE = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=344, vocab_size=PRESETS[TOKENIZER_PRESET]["vocab_size"],
+                    max_position_embeddings=2048)
 SEED = 0
 HOLDOUT_EVERY = 10  # files 9, 19, 29, ... of the sorted stdlib listing are never trained on
 CORPUS_BYTES = 64 << 20  # more than the stdlib's top level holds: take every file
 SEQ_LEN = 512
-BATCH = 8
-STEPS = 200
-LR, MIN_LR_FRACTION, WARMUP = 3e-3, 0.1, 20
-EVAL_WINDOW = 512
+BATCH = 4
+STEPS = 1100
+LR, MIN_LR_FRACTION, WARMUP = 4e-3, 0.1, 50
 
 
 def split_corpus() -> tuple[list[str], list[str]]:
@@ -131,39 +131,30 @@ def train(out: Path, steps: int) -> dict:
             group["lr"] = lr_at(step)
         optimizer.step()
         losses.append(loss.item())
-        if step % 25 == 0 or step == steps - 1:
-            print(f"[train] step {step + 1}/{steps} loss {np.mean(losses[-25:]):.3f} "
+        if step % 100 == 0 or step == steps - 1:
+            print(f"[train] step {step + 1}/{steps} loss {np.mean(losses[-100:]):.3f} "
                   f"({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
     train_seconds = time.perf_counter() - started
 
     # Report the quality of what is saved: the fp16-rounded weights.
     model.eval()
-    state = {k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()
-             if k != "lm_head.weight"}  # tied: safetensors refuses shared tensors, HF re-ties on load
-    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    state = {k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()}
+    model.load_state_dict({k: v.float() for k, v in state.items()})
     ppl = perplexity(model, held_ids)
     report = {"held_out_perplexity": round(ppl, 3), "eval_window_tokens": EVAL_WINDOW,
               "held_out_files": len(held_texts), "held_out_tokens": int(len(held_ids)),
               "train_files": len(train_texts), "train_tokens": int(len(train_ids)),
               "tokens_seen": steps * BATCH * SEQ_LEN, "steps": steps, "batch": BATCH, "seq_len": SEQ_LEN,
-              "lr": LR, "seed": SEED, "final_loss": round(float(np.mean(losses[-25:])), 4),
+              "lr": LR, "seed": SEED, "final_loss": round(float(np.mean(losses[-100:])), 4),
               "train_seconds": round(train_seconds, 1), "threads": 1,
               "parameters": sum(v.numel() for v in state.values()),
               "python": sys.version.split()[0], "torch": torch.__version__}
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    with atomic_directory(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         write_tokenizer(tokenizer, tmp)
         save_file(state, str(tmp / "model.safetensors"))
         (tmp / "training.json").write_text(json.dumps(report, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     print(f"[train] held-out perplexity {ppl:.2f} after {train_seconds:.0f} s; wrote {out}", file=sys.stderr)
     return report
 

@@ -13,10 +13,12 @@ import numpy as np
 from kvforge.manifest import MODEL_FILE, Manifest, ManifestError
 
 WEIGHT_MODES = ("fp32", "int8", "int4")
-# Max abs logit drift of the built engine from its export (prefill + decode on fixed prompts).
-# fp32 only reorders float math; quantized weights change the model on purpose, so their gate
-# only catches a broken build (measured drift on the presets is well inside these).
-PARITY_TOLERANCE = {"fp32": 1e-3, "int8": 1.0, "int4": 2.0}
+# Max abs logit drift of the built engine from its export (prefill + decode on fixed prompts),
+# as a fraction of the export's logit range on the same prompts, so one gate fits random and
+# trained weights. fp32 only reorders float math; quantized weights change the model on
+# purpose, so their gate only catches a broken build (measured on tiny-llama and stdlib-llama:
+# int8 1.1-1.5%, int4 7.9-12.5% of the range).
+PARITY_TOLERANCE = {"fp32": 1e-4, "int8": 0.1, "int4": 0.3}
 PARITY_PROMPT_LENGTHS = (9, 4)
 PARITY_DECODE_STEPS = 8
 
@@ -52,8 +54,8 @@ def optimize(src: Path, dst: Path, threads: int) -> None:
     ort.InferenceSession(str(src), opts, providers=["CPUExecutionProvider"])
 
 
-def parity_drift(export_dir: Path, engine_dir: Path) -> float:
-    """Max abs logit difference between the export and the engine on a fixed prefill + decode."""
+def parity_drift(export_dir: Path, engine_dir: Path) -> tuple[float, float]:
+    """(max abs logit difference, logit range of the export) on a fixed prefill + decode."""
     from runtime.runner import open_runner
 
     runners = [open_runner(export_dir), open_runner(engine_dir)]
@@ -65,13 +67,16 @@ def parity_drift(export_dir: Path, engine_dir: Path) -> float:
     for runner in runners:
         runner.allocate(rows, runner.bucket_for(longest + PARITY_DECODE_STEPS))
     outs = [r.step(ids, np.zeros(rows, np.int64), lengths) for r in runners]
-    drift = max(float(np.abs(a[r, :n] - b[r, :n]).max()) for a, b in [outs] for r, n in enumerate(lengths))
+    valid = [(out[r, :n] for r, n in enumerate(lengths)) for out in outs]
+    expected, built = (np.concatenate(list(v)) for v in valid)
+    drift, low, high = float(np.abs(expected - built).max()), float(expected.min()), float(expected.max())
     tokens = outs[0][np.arange(rows), lengths - 1].argmax(-1)[:, None]  # both follow the export's tokens
     for _ in range(PARITY_DECODE_STEPS):
         outs = [r.step(tokens, lengths, np.ones(rows, np.int64)) for r in runners]
         drift = max(drift, float(np.abs(outs[0] - outs[1]).max()))
+        low, high = min(low, float(outs[0].min())), max(high, float(outs[0].max()))
         tokens, lengths = outs[0][:, -1].argmax(-1)[:, None], lengths + 1
-    return drift
+    return drift, high - low
 
 
 def build(export_dir: Path, out_dir: Path, manifest: Manifest, weights: str = "fp32",
@@ -98,11 +103,12 @@ def build(export_dir: Path, out_dir: Path, manifest: Manifest, weights: str = "f
               "size_bytes": sum(f.stat().st_size for f in out_dir.iterdir() if f.suffix in (".onnx", ".data"))}
     Manifest(**{**manifest.__dict__, "engine": engine}).save(out_dir)
     with progress("parity gate: engine vs export logits"):
-        drift = parity_drift(export_dir, out_dir)
-    tolerance = PARITY_TOLERANCE[weights]
+        drift, logit_range = parity_drift(export_dir, out_dir)
+    tolerance = PARITY_TOLERANCE[weights] * logit_range
     if not drift <= tolerance:
-        raise ManifestError(f"parity gate failed: engine logits drift {drift:.3g} from the export "
-                            f"(tolerance {tolerance:g} for {weights} weights)")
-    engine.update(parity_max_abs_diff=drift, parity_tolerance=tolerance,
+        raise ManifestError(f"parity gate failed: engine logits drift {drift:.3g} from the export, over the "
+                            f"{tolerance:.3g} allowed for {weights} weights ({PARITY_TOLERANCE[weights]:g} "
+                            f"of the logit range {logit_range:.3g})")
+    engine.update(parity_max_abs_diff=drift, parity_tolerance=tolerance, parity_logit_range=logit_range,
                   build_seconds=round(time.perf_counter() - started, 2))
     return engine

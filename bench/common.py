@@ -1,0 +1,351 @@
+"""What every benchmark section shares: run parameters, progress lines, cached artifacts
+(exports, engines), decode-step timing through the Runner interface, and quality metrics."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAINED_MODEL = ROOT / "models" / "stdlib-llama"
+STARTED = time.perf_counter()
+
+
+@dataclass(frozen=True)
+class Params:
+    """Everything a run depends on besides the machine; saved with the results."""
+
+    quick: bool
+    model: str  # preset or checkpoint dir for the speed sections
+    quality_model: str  # a trained checkpoint: quality on random weights means nothing
+    threads: int
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    nocache_contexts: dict  # batch -> contexts; recomputing is slow, so it is sampled sparsely
+    nocache_repeats: int
+    timed_steps: int  # decode steps timed per (layout, batch, context) point and round
+    layout_rounds: int  # rounds in which the layouts take turns
+    prompt_tokens: int  # peers, weights and the generation totals
+    new_tokens: int
+    peer_rounds: int  # generations per ONNX Runtime system, taking turns
+    hf_new_tokens: int  # transformers' generate() is slow: fewer tokens, same decode rate
+    hf_nocache_new_tokens: int
+    dtype_contexts: tuple[int, ...]
+    eval_windows: int | None  # held-out windows of EVAL_WINDOW tokens for perplexity; None = all
+    greedy_prompt_tokens: int
+    greedy_tokens: int
+    concurrency: tuple[int, ...]
+    serving_prompt_tokens: int
+    serving_new_tokens: int
+    kv_budget_bytes: int = 1 << 30
+    budget_sequence_tokens: int = 2048
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def params(quick: bool, threads: int) -> Params:
+    trained = str(TRAINED_MODEL)
+    if quick:
+        return Params(quick=True, model=trained, quality_model=trained, threads=threads, batches=(1, 4),
+                      contexts=(32, 128), nocache_contexts={1: (32, 128), 4: (128,)}, nocache_repeats=1,
+                      timed_steps=4, layout_rounds=1, prompt_tokens=16, new_tokens=8, peer_rounds=1, hf_new_tokens=8,
+                      hf_nocache_new_tokens=4, dtype_contexts=(128,), eval_windows=4, greedy_prompt_tokens=16,
+                      greedy_tokens=32, concurrency=(1, 4), serving_prompt_tokens=16, serving_new_tokens=8)
+    return Params(quick=False, model="small-llama", quality_model=trained, threads=threads, batches=(1, 8),
+                  contexts=(128, 256, 512, 1024, 2048, 4096),
+                  nocache_contexts={1: (128, 512, 2048, 4096), 8: (128, 512)}, nocache_repeats=2,
+                  timed_steps=8, layout_rounds=2, prompt_tokens=128, new_tokens=64, peer_rounds=3, hf_new_tokens=32,
+                  hf_nocache_new_tokens=4, dtype_contexts=(512, 2048), eval_windows=None, greedy_prompt_tokens=64,
+                  greedy_tokens=256, concurrency=(1, 4, 16, 64), serving_prompt_tokens=64, serving_new_tokens=64)
+
+
+def runnable_kv_dtypes() -> list[str]:
+    """The in-place layout's KV dtypes that ONNX Runtime on this machine can run (fp8 cannot)."""
+    from kvforge.manifest import KV_DTYPES, LAYOUT_DTYPES
+
+    return [d for d in LAYOUT_DTYPES["inplace"] if "onnxruntime" in KV_DTYPES[d].runs_on]
+
+
+class SectionError(RuntimeError):
+    """A section that could only partly run: the message says why, `partial` keeps what it measured."""
+
+    def __init__(self, message: str, partial: dict):
+        super().__init__(message)
+        self.partial = partial
+
+
+def say(message: str) -> None:
+    print(f"[bench {time.perf_counter() - STARTED:6.0f} s] {message}", file=sys.stderr, flush=True)
+
+
+class Artifacts:
+    """Exports and engines made through the project's own CLIs, cached under build/bench and
+    reused while their inputs are unchanged: the checkpoint's bytes and the source code of the
+    stage that made them (a changed exporter must not be benchmarked through a stale export)."""
+
+    STAMP = "bench-inputs.json"
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self._fingerprints: dict[Path, str] = {}
+
+    def checkpoint(self, model: str) -> Path:
+        from export.__main__ import resolve_model
+
+        return resolve_model(model)
+
+    def fingerprint(self, checkpoint: Path) -> str:
+        """sha256 of the checkpoint, once per run (hashing the benchmark model takes seconds)."""
+        from export.checkpoint import fingerprint
+
+        if checkpoint not in self._fingerprints:
+            self._fingerprints[checkpoint] = fingerprint(checkpoint)
+        return self._fingerprints[checkpoint]
+
+    def _cached(self, out: Path, inputs: dict, make) -> Path:
+        stamp = out / self.STAMP
+        if stamp.is_file() and json.loads(stamp.read_text()) == inputs:
+            return out
+        make()
+        stamp.write_text(json.dumps(inputs, indent=2) + "\n")
+        return out
+
+    def export(self, model: str, layout: str, dtype: str) -> Path:
+        """An export whose capacity is the model's full position range (so sections share it)."""
+        checkpoint = self.checkpoint(model)
+        out = self.root / "exports" / f"{checkpoint.name}-{layout}-{dtype}"
+
+        def make():
+            say(f"exporting {checkpoint.name} ({layout} layout, {dtype} KV)")
+            run_module("export", "--model", str(checkpoint), "--out", str(out), "--kv-layout", layout,
+                       "--kv-dtype", dtype)
+
+        return self._cached(out, {"checkpoint": self.fingerprint(checkpoint), "code": code_digest("export", "kvforge")},
+                            make)
+
+    def engine(self, export_dir: Path, weights: str, threads: int) -> Path:
+        out = self.root / "engines" / f"{export_dir.name}-w{weights}"
+
+        def make():
+            say(f"building the ONNX Runtime engine {out.name} ({weights} weights)")
+            run_module("engines", "build", str(export_dir), "--backend", "onnxruntime", "--weights", weights,
+                       "--threads", str(threads), "--out", str(out))
+
+        export_inputs = json.loads((export_dir / self.STAMP).read_text())
+        return self._cached(out, {"export": export_inputs, "threads": threads, "code": code_digest("engines")}, make)
+
+    def genai(self, model: str) -> Path:
+        """ONNX Runtime GenAI's own export of the same checkpoint (its model builder)."""
+        from importlib.metadata import version
+
+        checkpoint = self.checkpoint(model)
+        out = self.root / "genai" / checkpoint.name
+
+        def make():
+            say(f"building the ONNX Runtime GenAI model for {checkpoint.name} (its model builder)")
+            run_module("onnxruntime_genai.models.builder", "-m", str(checkpoint), "-o", str(out),
+                       "-p", "fp32", "-e", "cpu", "-c", str(self.root / "genai-cache"))
+
+        return self._cached(out, {"checkpoint": self.fingerprint(checkpoint),
+                                  "onnxruntime-genai": version("onnxruntime-genai")}, make)
+
+
+def code_digest(*packages: str) -> str:
+    """sha256 over the Python sources of the given top-level packages of this checkout."""
+    digest = hashlib.sha256()
+    for package in packages:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def run_module(*args: str) -> None:
+    """python -m ARGS from the repository root; its output is shown only when it fails."""
+    result = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"python -m {' '.join(args)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
+
+
+# ---------------------------------------------------------------- decode timing
+
+def fitting_capacity(runner, tokens: int) -> int:
+    """The smallest capacity holding `tokens`: the in-place layout's bucket, or the concat bound."""
+    return runner.bucket_for(tokens) if runner.manifest.kv_layout == "inplace" else tokens
+
+
+def allocate_for(runner, rows: int, tokens: int) -> None:
+    runner.allocate(rows, fitting_capacity(runner, tokens))
+
+
+def seed_past(runner, rows: int, length: int, capacity: int) -> None:
+    """Make rows 0..rows-1 look `length` tokens deep without running a prefill (a 4096-token
+    prefill of the benchmark model takes minutes); cache values do not change step time.
+    The in-place layout needs nothing: write_positions alone say how deep a row is. The concat
+    layout has no public way to adopt a past, so its arrays are set directly."""
+    runner.allocate(rows, capacity)
+    if runner.manifest.kv_layout == "inplace":
+        return
+    for name, buf in runner.past.items():
+        runner.past[name] = np.zeros((rows, buf.shape[1], length, buf.shape[3]), buf.dtype)
+    runner.mask = np.ones((rows, length), np.int64)
+
+
+def decode_steps(runner, rows: int, context: int, steps: int, capacity: int | None = None,
+                 observe=None) -> list[float]:
+    """Seconds of each of `steps` one-token decode steps, the last one ending with `context`
+    cached tokens per row (after one untimed warm-up step). `capacity` defaults to the
+    smallest that fits; observe(runner, step_index) runs before each step, outside the timing."""
+    start = context - steps - 1
+    seed_past(runner, rows, start, capacity or fitting_capacity(runner, context))
+    tokens = np.full((rows, 1), 3, np.int64)
+    one = np.ones(rows, np.int64)
+    times = []
+    for i in range(steps + 1):
+        if observe is not None:
+            observe(runner, i)
+        began = time.perf_counter()
+        runner.step(tokens, np.full(rows, start + i, np.int64), one)
+        if i:
+            times.append(time.perf_counter() - began)
+    return times
+
+
+def interleaved_steps(variants: dict, rows: int, context: int, steps: int, rounds: int) -> dict:
+    """key -> decode step seconds for variants {key: (runner, capacity or None)} at one context.
+    The variants take turns for `rounds` rounds, so load from other processes on a shared
+    machine hits them alike."""
+    times: dict = {key: [] for key in variants}
+    for _ in range(rounds):
+        for key, (runner, capacity) in variants.items():
+            times[key] += decode_steps(runner, rows, context, steps, capacity=capacity)
+    return times
+
+
+def summary_ms(seconds: list[float]) -> dict:
+    ms = [s * 1e3 for s in seconds]
+    return {"median_ms": round(statistics.median(ms), 4), "min_ms": round(min(ms), 4),
+            "max_ms": round(max(ms), 4), "samples": len(ms)}
+
+
+def generate(runner, prompts: np.ndarray, new_tokens: int) -> dict:
+    """Greedy generation through the Runner: prefill all rows, then one token per row per step.
+    Returns the tokens and the prefill / per-step decode times."""
+    rows, prompt_len = prompts.shape
+    allocate_for(runner, rows, prompt_len + new_tokens)
+    began = time.perf_counter()
+    logits = runner.step(prompts, np.zeros(rows, np.int64), np.full(rows, prompt_len, np.int64))
+    prefill = time.perf_counter() - began
+    token = logits[:, -1].argmax(-1)
+    out, steps = [token], []
+    one = np.ones(rows, np.int64)
+    for i in range(new_tokens - 1):
+        began = time.perf_counter()
+        logits = runner.step(token[:, None], np.full(rows, prompt_len + i, np.int64), one)
+        token = logits[:, -1].argmax(-1)
+        steps.append(time.perf_counter() - began)
+        out.append(token)
+    return {"tokens": np.stack(out, axis=1), "prefill_s": prefill, "step_s": steps}
+
+
+def decode_rate(rows: int, step_seconds: list[float]) -> float:
+    """Generated tokens per second over the decode steps (all rows)."""
+    return rows * len(step_seconds) / sum(step_seconds)
+
+
+# ---------------------------------------------------------------- quality (trained model)
+
+EVAL_WINDOW = 512
+
+
+def eval_windows(stream: np.ndarray, count: int | None, window: int = EVAL_WINDOW) -> np.ndarray:
+    """The first `count` (None: all) consecutive non-overlapping windows of window + 1 tokens
+    from the held-out stream: bench.train's perplexity windows, less its last partial one."""
+    available = (len(stream) - 1) // window
+    n = available if count is None else min(count, available)
+    return np.stack([stream[i * window:i * window + window + 1] for i in range(n)])
+
+
+def perplexity(runner, windows: np.ndarray, rows: int = 8) -> float:
+    """exp(mean next-token NLL), each window prefilled in one step: attention inside the prefill
+    already reads the K/V back from the cache in its dtype, so KV quantization shows."""
+    total, count = 0.0, 0
+    length = windows.shape[1] - 1
+    allocate_for(runner, rows, length)
+    for i in range(0, len(windows), rows):
+        chunk = windows[i:i + rows]
+        n = len(chunk)
+        logits = runner.step(chunk[:, :-1], np.zeros(n, np.int64), np.full(n, length, np.int64))
+        logits = logits.astype(np.float64)
+        top = logits.max(-1, keepdims=True)
+        logz = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
+        picked = np.take_along_axis(logits, chunk[:, 1:, None], -1)[..., 0]
+        total += float((logz - picked).sum())
+        count += picked.size
+    return float(np.exp(total / count))
+
+
+def greedy_agreement(reference: np.ndarray, candidate_runner, prompts: np.ndarray, candidate: np.ndarray) -> dict:
+    """Agreement of a candidate with the fp32 reference over the generated tokens:
+    free-running (both generate on their own; after a first difference they drift apart) and
+    teacher-forced (the candidate predicts each next token of the reference's text)."""
+    rows, prompt_len = prompts.shape
+    n = reference.shape[1]
+    same = reference == candidate
+    first = [int(np.argmin(r)) if not r.all() else n for r in same]
+    text = np.concatenate([prompts, reference], axis=1)
+    allocate_for(candidate_runner, rows, text.shape[1])
+    logits = candidate_runner.step(text[:, :-1], np.zeros(rows, np.int64), np.full(rows, text.shape[1] - 1, np.int64))
+    predicted = logits[:, prompt_len - 1:].argmax(-1)
+    return {"free_running_agreement": round(float(same.mean()), 4),
+            "tokens_before_first_difference_mean": round(float(np.mean(first)), 1),
+            "teacher_forced_agreement": round(float((predicted == reference).mean()), 4),
+            "tokens_compared": int(same.size)}
+
+
+def held_out_prompts(stream: np.ndarray, rows: int, length: int) -> np.ndarray:
+    """`rows` prompts of `length` tokens spread evenly over the held-out stream."""
+    starts = np.linspace(0, len(stream) - length - 1, rows).astype(int)
+    return np.stack([stream[s:s + length] for s in starts])
+
+
+def machine_facts() -> dict:
+    import platform
+
+    facts = {"cpu_count": os.cpu_count(), "platform": platform.platform(), "machine": platform.machine(),
+             "python": sys.version.split()[0], "load_average_at_start": list(os.getloadavg())}
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        facts["cpu_model"] = next(line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
+                                  if line.startswith("model name"))
+        meminfo = Path("/proc/meminfo").read_text().splitlines()
+        facts["memory_bytes"] = int(meminfo[0].split()[1]) * 1024
+    except (OSError, StopIteration):
+        pass
+    return facts
+
+
+def library_versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("torch", "transformers", "onnx", "onnxruntime", "onnxruntime-genai", "numpy",
+                 "tritonclient", "nvidia-pytriton", "matplotlib"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def write_json(path: Path, data) -> None:
+    path.write_text(json.dumps(data, indent=2, default=float) + "\n")

@@ -1,0 +1,83 @@
+"""Section 3, KV dtypes: bytes per token, sequences that fit a KV budget, step time, and quality
+(held-out perplexity, greedy agreement with fp32) on the trained model, in-place layout.
+
+Bytes are computed from the manifest for the trained model and for the benchmark model; step
+time and quality are measured on the trained model (random weights make quality meaningless).
+"""
+from __future__ import annotations
+
+from bench.common import (Params, eval_windows, generate, greedy_agreement, held_out_prompts, interleaved_steps,
+                          perplexity, runnable_kv_dtypes, say, summary_ms)
+from bench.train import held_out_tokens
+from kvforge.manifest import KV_DTYPES, Manifest, ModelSpec, kv_bytes_per_token
+
+GREEDY_ROWS = 8
+
+
+def budget_table(spec: ModelSpec, params: Params) -> list[dict]:
+    fp16 = kv_bytes_per_token(spec, "fp16")
+    rows = []
+    for name, d in KV_DTYPES.items():
+        per_token = kv_bytes_per_token(spec, name)
+        rows.append({"kv_dtype": name, "bytes_per_token": per_token, "relative_to_fp16": round(per_token / fp16, 4),
+                     "sequences_in_budget": params.kv_budget_bytes // (per_token * params.budget_sequence_tokens),
+                     "runs_on": list(d.runs_on)})
+    return rows
+
+
+def quality_setup(params: Params, artifacts) -> dict:
+    """The held-out material every quality measurement uses (same text for every variant)."""
+    checkpoint = artifacts.checkpoint(params.quality_model)
+    stream = held_out_tokens(checkpoint)
+    return {"windows": eval_windows(stream, params.eval_windows),
+            "prompts": held_out_prompts(stream, GREEDY_ROWS, params.greedy_prompt_tokens)}
+
+
+def quality(runner, reference: dict | None, material: dict, new_tokens: int) -> dict:
+    """Perplexity and greedy generation of one variant; agreement with `reference` (the fp32
+    variant's result) when given."""
+    out = {"perplexity": round(perplexity(runner, material["windows"]), 4)}
+    tokens = generate(runner, material["prompts"], new_tokens)["tokens"]
+    if reference is not None:
+        out["perplexity_vs_fp32_percent"] = round(100 * (out["perplexity"] / reference["perplexity"] - 1), 3)
+        out.update(greedy_agreement(reference["tokens"], runner, material["prompts"], tokens))
+    return {**out, "tokens": tokens}
+
+
+def run(params: Params, artifacts) -> dict:
+    from runtime.runner import open_runner
+
+    benchmark_spec = Manifest.load(artifacts.export(params.model, "inplace", "fp32")).model
+    material = quality_setup(params, artifacts)
+    runners = {d: open_runner(artifacts.export(params.quality_model, "inplace", d), params.threads)
+               for d in runnable_kv_dtypes()}
+    results, reference = [], None
+    for dtype, runner in runners.items():
+        say(f"kv dtypes: {dtype} on the trained model (perplexity, greedy generation)")
+        q = quality(runner, reference, material, params.greedy_tokens)
+        if dtype == "fp32":  # the reference every other dtype is compared with; it comes first
+            reference = q
+        results.append({"kv_dtype": dtype, "bytes_per_token": runner.manifest.kv_bytes_per_token,
+                        **{k: v for k, v in q.items() if k != "tokens"}, "step_time": []})
+    say(f"kv dtypes: step time, the dtypes taking turns ({params.layout_rounds} rounds)")
+    for rows in params.batches:
+        for context in params.dtype_contexts:
+            times = interleaved_steps({d: (r, None) for d, r in runners.items()}, rows, context,
+                                      params.timed_steps, params.layout_rounds)
+            for r in results:
+                r["step_time"].append({"batch": rows, "context": context, **summary_ms(times[r["kv_dtype"]])})
+    trained_spec = runners["fp32"].manifest.model
+    return {
+        "quality_model": params.quality_model, "layout": "inplace",
+        "kv_budget_bytes": params.kv_budget_bytes, "sequence_tokens_for_budget": params.budget_sequence_tokens,
+        "eval": {"windows": int(len(material["windows"])), "window_tokens": int(material["windows"].shape[1] - 1),
+                 "greedy_rows": GREEDY_ROWS, "greedy_prompt_tokens": params.greedy_prompt_tokens,
+                 "greedy_new_tokens": params.greedy_tokens},
+        "bytes": {"benchmark_model": budget_table(benchmark_spec, params),
+                  "quality_model": budget_table(trained_spec, params)},
+        "measured": results,
+        "units": {"bytes_per_token": "bytes", "sequences_in_budget": "sequences of sequence_tokens_for_budget "
+                  "tokens in kv_budget_bytes", "perplexity": "exp(nats/token)", "perplexity_vs_fp32_percent": "%",
+                  "free_running_agreement": "fraction", "teacher_forced_agreement": "fraction",
+                  "median_ms": "ms", "min_ms": "ms", "max_ms": "ms"},
+    }

@@ -1,0 +1,195 @@
+"""Section 4, peers on the same checkpoint and machine: kvforge's runners, Hugging Face
+transformers generate() (cache on and off), ONNX Runtime GenAI (its own model builder's
+export of the same checkpoint dir), and Optimum's ORTModelForCausalLM when importable.
+
+Every system gets the same prompt tokens, the same number of new tokens (greedy, EOS ignored)
+and the same thread count; decode tokens/s excludes the prefill.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+from bench.common import Params, decode_rate, generate, say
+
+# Why Optimum is absent when it is (checked with `pip install --dry-run` beside the pins).
+OPTIMUM_NOTE = ("optimum 2.x + optimum-onnx need transformers<5 (pip would downgrade transformers to 4.57); "
+                "with transformers 5.24 pinned pip resolves optimum 1.17.1, which fails to import "
+                "(transformers.utils.is_tf_available is gone)")
+
+
+def prompts(vocab: int, rows: int, length: int) -> np.ndarray:
+    return np.random.default_rng(0).integers(3, vocab, (rows, length)).astype(np.int64)
+
+
+def kvforge_steps(runner, ids: np.ndarray, new_tokens: int) -> tuple[float, list[float]]:
+    """(prefill s, decode step s) of one greedy generation through the Runner."""
+    result = generate(runner, ids, new_tokens)
+    return result["prefill_s"], result["step_s"]
+
+
+def genai_steps(model, ids: np.ndarray, new_tokens: int) -> tuple[float, list[float]]:
+    """The first generate_next_token() only picks from the prefill's logits; each later call
+    runs one decode step: n tokens = prefill + n - 1 steps, as for the other systems."""
+    import onnxruntime_genai as og
+
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=ids.shape[1] + new_tokens, min_length=ids.shape[1] + new_tokens,
+                              batch_size=len(ids), do_sample=False)
+    generator = og.Generator(model, params)
+    began = time.perf_counter()
+    generator.append_tokens(ids.astype(np.int32))
+    prefill = time.perf_counter() - began
+    steps = []
+    while not generator.is_done():
+        began = time.perf_counter()
+        generator.generate_next_token()
+        steps.append(time.perf_counter() - began)
+    return prefill, steps[1:]
+
+
+def genai_model(model_dir, threads: int):
+    import json
+
+    import onnxruntime_genai as og
+
+    config = og.Config(str(model_dir))
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+    return og.Model(config)
+
+
+def interleaved(systems: dict, ids: np.ndarray, new_tokens: int, rounds: int) -> dict:
+    """Each system generates `rounds` times, taking turns, so load from elsewhere on a shared
+    machine hits them alike. systems: name -> fn(ids, new_tokens) -> (prefill s, step s)."""
+    prefill: dict[str, list[float]] = {name: [] for name in systems}
+    steps: dict[str, list[float]] = {name: [] for name in systems}
+    for fn in systems.values():
+        fn(ids, 2)  # warm-up: first-run allocations and kernel selection
+    for _ in range(rounds):
+        for name, fn in systems.items():
+            p, s = fn(ids, new_tokens)
+            prefill[name].append(p)
+            steps[name] += s
+    return {name: rate_summary(len(ids), prefill[name], steps[name]) for name in systems}
+
+
+def rate_summary(rows: int, prefill: list[float], steps: list[float]) -> dict:
+    return {"decode_tokens_per_s": round(rows / statistics.median(steps), 2),
+            "decode_tokens_per_s_mean": round(decode_rate(rows, steps), 2),
+            "median_step_ms": round(1e3 * statistics.median(steps), 3), "fastest_step_ms": round(1e3 * min(steps), 3),
+            "prefill_s": round(statistics.median(prefill), 4), "decode_steps": len(steps)}
+
+
+def hf_rate(model, ids: np.ndarray, new_tokens: int, use_cache: bool) -> dict:
+    """generate() timed per token: a streamer is handed each new token as soon as it exists,
+    so the gaps between its calls are the decode steps."""
+    import torch
+    from transformers.generation.streamers import BaseStreamer
+
+    class Clock(BaseStreamer):
+        def __init__(self):
+            self.times = []
+
+        def put(self, value):
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    def timed(n: int) -> list[float]:
+        clock = Clock()
+        model.generate(torch.from_numpy(ids), attention_mask=torch.ones(ids.shape, dtype=torch.int64),
+                       max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=use_cache,
+                       pad_token_id=0, streamer=clock)
+        return list(np.diff(clock.times))  # first: prefill + first token; then one per decode step
+
+    timed(2)  # warm-up
+    gaps = timed(new_tokens)
+    return rate_summary(len(ids), gaps[:1], gaps[1:])
+
+
+def torch_linear_ms(hidden: int, out: int, rows: tuple[int, ...], repeats: int = 20) -> dict:
+    """One decoder-sized torch Linear at each row count: explains transformers' batch scaling,
+    which on some CPUs is set by PyTorch's small-M GEMM rather than by generate()."""
+    import torch
+
+    weight = torch.randn(out, hidden) * 0.02
+    result = {}
+    for n in rows:
+        x = torch.randn(n, hidden)
+        torch.nn.functional.linear(x, weight)
+        began = time.perf_counter()
+        for _ in range(repeats):
+            torch.nn.functional.linear(x, weight)
+        result[str(n)] = round((time.perf_counter() - began) / repeats * 1e3, 4)
+    return result
+
+
+def graph_ops(path) -> dict:
+    """Node count, most frequent operators and ONNX Runtime's fused (com.microsoft) operators of
+    an ONNX graph (weights not loaded)."""
+    import collections
+
+    import onnx
+
+    nodes = onnx.load(str(path), load_external_data=False).graph.node
+    ops = collections.Counter(n.op_type for n in nodes)
+    return {"nodes": len(nodes), "top_ops": dict(ops.most_common(8)),
+            "fused_contrib_ops": sorted({n.op_type for n in nodes if n.domain == "com.microsoft"})}
+
+
+def optimum_status() -> dict:
+    try:
+        from optimum.onnxruntime import ORTModelForCausalLM  # noqa: F401
+    except ImportError as e:
+        return {"status": "not installed", "import_error": str(e)[:200], "why": OPTIMUM_NOTE}
+    return {"status": "importable but not benchmarked", "why": "add it here if it ever installs beside the pins"}
+
+
+def run(params: Params, artifacts) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from runtime.runner import open_runner
+
+    checkpoint = artifacts.checkpoint(params.model)
+    exports = {layout: artifacts.export(params.model, layout, "fp32") for layout in ("inplace", "concat")}
+    genai_dir = artifacts.genai(params.model)
+    torch.set_num_threads(params.threads)
+    torch.set_grad_enabled(False)
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    vocab = hf.config.vocab_size
+    runners = {layout: open_runner(directory, params.threads) for layout, directory in exports.items()}
+    genai = genai_model(genai_dir, params.threads)
+    fast = {**{f"kvforge_{layout}": (lambda ids, n, r=r: kvforge_steps(r, ids, n)) for layout, r in runners.items()},
+            "onnxruntime_genai": lambda ids, n: genai_steps(genai, ids, n)}
+    rows_out = []
+    for rows in params.batches:
+        ids = prompts(vocab, rows, params.prompt_tokens)
+        say(f"peers: kvforge (in-place, concat) and onnxruntime-genai taking turns, batch {rows}, "
+            f"{params.peer_rounds} rounds")
+        systems = interleaved(fast, ids, params.new_tokens, params.peer_rounds)
+        say(f"peers: transformers generate() with cache, batch {rows}")
+        systems["hf_generate_cache"] = hf_rate(hf, ids, params.hf_new_tokens, use_cache=True)
+        say(f"peers: transformers generate() without cache, batch {rows}")
+        systems["hf_generate_no_cache"] = hf_rate(hf, ids, params.hf_nocache_new_tokens, use_cache=False)
+        rows_out.append({"batch": rows, "new_tokens": params.new_tokens, "systems": systems})
+    return {
+        "model": params.model, "checkpoint": str(checkpoint), "prompt_tokens": params.prompt_tokens,
+        "threads": params.threads, "greedy": True,
+        "torch_linear_ms_by_rows": torch_linear_ms(hf.config.hidden_size, hf.config.intermediate_size,
+                                                   tuple(sorted({1, 2, *params.batches}))),
+        "optimum_ort_model_for_causal_lm": optimum_status(),
+        "graphs": {"kvforge_inplace": graph_ops(exports["inplace"] / "model.onnx"),
+                   "onnxruntime_genai": graph_ops(genai_dir / "model.onnx")},
+        "method": "decode tokens/s = batch / median decode step, prefill excluded; kvforge and "
+                  "onnxruntime-genai time every step and take turns for peer_rounds rounds; transformers "
+                  "generate() is timed per token through a streamer (one generation)",
+        "peer_rounds": params.peer_rounds,
+        "units": {"decode_tokens_per_s": "tokens/s (all rows)", "decode_tokens_per_s_mean": "tokens/s (all rows)",
+                  "median_step_ms": "ms", "fastest_step_ms": "ms", "prefill_s": "s",
+                  "torch_linear_ms_by_rows": "ms per hidden x intermediate Linear, by input rows"},
+        "results": rows_out,
+    }

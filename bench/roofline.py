@@ -1,0 +1,103 @@
+"""Section 6, roofline: the machine's memory bandwidth (numpy) and batch-1 decode speed
+as a fraction of the bound it sets. A batch-1 decode step must read every weight once plus the
+K/V of every cached token, so step time >= (weight bytes + context x KV bytes/token) / bandwidth.
+
+Bandwidth and decode steps are measured in turns, so both see the same load from other
+processes; the headline compares the best copy with the fastest step (what the hardware and the
+engine can do), and the median step is reported beside it.
+"""
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+
+import numpy as np
+
+from bench.common import Params, decode_steps, say
+from kvforge.manifest import ModelSpec, kv_bytes
+
+STREAM_BYTES = 256 << 20  # far beyond any cache level, so it measures DRAM
+STREAMS_PER_ROUND = 8  # best of: other processes only ever slow a stream down
+
+
+def concurrent_seconds(fn, arg_sets: list[tuple]) -> float:
+    """Wall time of fn(*args) for every arg set at once, one thread each (numpy releases the GIL)."""
+    workers = [threading.Thread(target=fn, args=args) for args in arg_sets]
+    began = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return time.perf_counter() - began
+
+
+def stream_tests(threads: int) -> dict[str, tuple]:
+    """name -> (numpy function, per-thread arguments, bytes moved by one run). A decode step only
+    reads its weights, so `read` (a dot product: two streams in, nothing out) sets the bound;
+    `copy` (reads and writes) is the classic figure, reported beside it."""
+    per = STREAM_BYTES // threads
+    reads = [(np.ones(per // 8, np.float32), np.ones(per // 8, np.float32)) for _ in range(threads)]  # per bytes
+    copies = [(np.empty(per // 8), np.ones(per // 8)) for _ in range(threads)]
+    return {"read": (np.dot, reads, STREAM_BYTES), "copy": (np.copyto, copies, 2 * STREAM_BYTES)}
+
+
+def decode_weight_bytes(spec: ModelSpec, bytes_per_weight: float = 4) -> int:
+    """Weights one decode step reads: every projection, norm and the lm_head; of the embedding
+    table only one row per token (unless it is the lm_head too)."""
+    h, hd = spec.hidden_size, spec.head_dim
+    attention = h * spec.num_heads * hd * 2 + h * spec.num_kv_heads * hd * 2
+    bias = (spec.num_heads + 2 * spec.num_kv_heads) * hd if spec.attention_bias else 0
+    layer = attention + bias + 3 * h * spec.intermediate_size + 2 * h
+    head = h * spec.vocab_size
+    embedding_row = 0 if spec.tie_word_embeddings else h
+    return int((spec.num_layers * layer + h + head + embedding_row) * bytes_per_weight)
+
+
+def run(params: Params, artifacts) -> dict:
+    from runtime.runner import open_runner
+
+    runner = open_runner(artifacts.export(params.model, "inplace", "fp32"), params.threads)
+    spec = runner.manifest.model
+    tests = {(kind, t): test for t in sorted({1, params.threads}) for kind, test in stream_tests(t).items()}
+    seconds: dict[tuple, list[float]] = {key: [] for key in tests}
+    steps: dict[int, list[float]] = {c: [] for c in params.contexts}
+    decode_steps(runner, 1, params.contexts[0], params.timed_steps)  # warm-up
+    say(f"roofline: memory bandwidth and batch-1 decode steps, taking turns ({params.layout_rounds} rounds)")
+    for _ in range(params.layout_rounds):
+        for key, (fn, args, _) in tests.items():
+            seconds[key] += [concurrent_seconds(fn, args) for _ in range(STREAMS_PER_ROUND)]
+        for context in params.contexts:
+            steps[context] += decode_steps(runner, 1, context, params.timed_steps)
+    bandwidth = {f"{kind}_{t}_threads": tests[kind, t][2] / min(s) for (kind, t), s in seconds.items()}
+    bw = bandwidth[f"read_{params.threads}_threads"]
+    weights = decode_weight_bytes(spec)
+    points = []
+    for context, times in steps.items():
+        needed = weights + kv_bytes(spec, "fp32", context)
+        bound = needed / bw
+        fastest, median = min(times), statistics.median(times)
+        points.append({"context": context, "bytes_per_step": needed, "bound_ms": round(bound * 1e3, 4),
+                       "fastest_ms": round(fastest * 1e3, 4), "median_ms": round(median * 1e3, 4),
+                       "bound_tokens_per_s": round(1 / bound, 2), "fastest_tokens_per_s": round(1 / fastest, 2),
+                       "percent_of_roofline": round(100 * bound / fastest, 2),
+                       "percent_of_roofline_median_step": round(100 * bound / median, 2)})
+    head = points[0]
+    return {
+        "model": params.model, "threads": params.threads, "layout": "inplace", "batch": 1,
+        "bandwidth_bytes_per_s": {k: round(v) for k, v in bandwidth.items()},
+        "weight_bytes_per_step": weights, "kv_bytes_per_token": kv_bytes(spec, "fp32", 1),
+        "headline": {"context": head["context"], "percent_of_roofline": head["percent_of_roofline"],
+                     "percent_of_roofline_median_step": head["percent_of_roofline_median_step"]},
+        "method": "bound = (fp32 weight bytes read per step + context x KV bytes/token) / best read bandwidth "
+                  "(np.dot over float32 arrays) at the run's thread count; copy bandwidth (np.copyto, counting "
+                  "its read and its write) is reported beside it; bandwidth and batch-1 in-place decode steps "
+                  "are measured in turns; percent_of_roofline uses the fastest step, "
+                  "percent_of_roofline_median_step the median",
+        "units": {"bandwidth_bytes_per_s": "bytes/s", "bytes_per_step": "bytes", "bound_ms": "ms",
+                  "fastest_ms": "ms", "median_ms": "ms", "bound_tokens_per_s": "tokens/s",
+                  "fastest_tokens_per_s": "tokens/s", "percent_of_roofline": "%",
+                  "percent_of_roofline_median_step": "%", "weight_bytes_per_step": "bytes",
+                  "kv_bytes_per_token": "bytes"},
+        "points": points,
+    }

@@ -1,0 +1,194 @@
+"""Section 5, serving: the same closed-loop load through the real Triton server (gRPC streaming,
+clients.api.LLMClient) and in-process (runtime.llm_engine.LLMEngine, same engine, same limits):
+TTFT p50/p99, inter-token latency, aggregate tokens/s per concurrency level, and Triton's
+overhead in % of the in-process throughput.
+
+Each of `c` client threads sends its requests back to back, every request the same fixed prompt
+length and max_tokens (greedy); a level's tokens/s is all tokens received over its wall time.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.common import Params, run_module, say
+
+# enough requests per level for a p99 without letting concurrency 64 dominate the run time
+REQUESTS_PER_STREAM = 2
+MIN_REQUESTS, MAX_REQUESTS = 8, 64
+
+
+def prompt_texts(engine_dir: Path, tokens: int, count: int) -> list[str]:
+    """`count` held-out source snippets of exactly `tokens` tokens each (re-encoding checked)."""
+    from tokenizers import Tokenizer
+
+    from bench.train import split_corpus
+
+    tokenizer = Tokenizer.from_file(str(engine_dir / "tokenizer.json"))
+    texts = []
+    for source in split_corpus()[1]:
+        ids = tokenizer.encode(source).ids
+        for start in range(0, len(ids) - tokens, 997):
+            text = tokenizer.decode(ids[start:start + tokens])
+            if len(tokenizer.encode(text).ids) == tokens:
+                texts.append(text)
+                break
+        if len(texts) == count:
+            return texts
+    raise RuntimeError(f"could not cut {count} prompts of {tokens} tokens from the held-out text")
+
+
+def percentiles(values: list[float]) -> dict:
+    a = np.asarray(values) * 1e3
+    return {"p50": round(float(np.percentile(a, 50)), 3), "p99": round(float(np.percentile(a, 99)), 3),
+            "mean": round(float(a.mean()), 3), "samples": int(a.size)}
+
+
+def level(concurrency: int, prompts: list[str], max_tokens: int, one_request) -> dict:
+    """One closed-loop run: `concurrency` threads each send their share of requests back to back.
+    one_request(prompt, max_tokens) -> list of (seconds since send, tokens in that delta).
+    Returns the raw arrivals, errors and wall time; `summarize` turns runs into figures."""
+    total = max(MIN_REQUESTS, min(MAX_REQUESTS, REQUESTS_PER_STREAM * concurrency))
+    jobs: queue.Queue = queue.Queue()
+    for i in range(total):
+        jobs.put(prompts[i % len(prompts)])
+    records, errors, lock = [], [], threading.Lock()
+
+    def worker():
+        while True:
+            try:
+                prompt = jobs.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                arrivals = one_request(prompt, max_tokens)
+            except Exception as e:  # recorded: a failed request must be visible in the results
+                with lock:
+                    errors.append(str(e)[:200])
+                continue
+            with lock:
+                records.append(arrivals)
+
+    began = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"requests": total, "records": records, "errors": errors, "wall_s": time.perf_counter() - began}
+
+
+def summarize(concurrency: int, max_tokens: int, runs: list[dict]) -> dict:
+    """Figures over all runs of a level: tokens/s = all tokens / all wall time."""
+    records = [a for run in runs for a in run["records"]]
+    ttft, gaps, tokens = [], [], 0
+    for arrivals in records:
+        timed = [(t, n) for t, n in arrivals if n]
+        tokens += sum(n for _, n in timed)
+        if timed:
+            ttft.append(timed[0][0])
+        for (t0, _), (t1, n) in zip(timed, timed[1:]):
+            gaps += [(t1 - t0) / n] * n  # a delta carrying n tokens spreads its gap over them
+    wall = sum(run["wall_s"] for run in runs)
+    return {"concurrency": concurrency, "runs": len(runs), "requests": sum(run["requests"] for run in runs),
+            "completed": len(records), "errors": [e for run in runs for e in run["errors"]][:5], "tokens": tokens,
+            "full_length_requests": sum(sum(n for _, n in a) == max_tokens for a in records),
+            "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 2),
+            "tokens_per_s_by_run": [round(sum(n for a in run["records"] for _, n in a) / run["wall_s"], 2)
+                                    for run in runs],
+            "ttft_ms": percentiles(ttft), "inter_token_ms": percentiles(gaps or [0.0])}
+
+
+def triton_sender(client):
+    def one_request(prompt: str, max_tokens: int):
+        return [(d.time, len(d.token_ids)) for d in client.stream(prompt, max_tokens=max_tokens)]
+    return one_request
+
+
+def engine_sender(engine):
+    from runtime.llm_engine import SamplingParams
+
+    def one_request(prompt: str, max_tokens: int):
+        outputs: queue.Queue = queue.Queue()
+        began = time.perf_counter()
+        engine.submit(prompt, SamplingParams(max_tokens=max_tokens),
+                      lambda out: outputs.put((time.perf_counter() - began, out)))
+        arrivals = []
+        while True:
+            t, out = outputs.get(timeout=300)
+            if out.error:
+                raise RuntimeError(out.error)
+            arrivals.append((t, len(out.token_ids)))
+            if out.finished:
+                return arrivals
+    return one_request
+
+
+# The in-process engine lives in a child process of its own, as the Triton server's does, so
+# neither shares a process (GIL, leftover sessions, torch threads) with the benchmark itself.
+_ENGINE_SENDER = None
+
+
+def _start_engine(engine_dir: str, slots: int, kv_cache_bytes: int, threads: int, warm_prompt: str) -> None:
+    global _ENGINE_SENDER
+    from runtime.llm_engine import LLMEngine
+
+    engine = LLMEngine(engine_dir, slots=slots, kv_cache_bytes=kv_cache_bytes, threads=threads)
+    _ENGINE_SENDER = engine_sender(engine)
+    _ENGINE_SENDER(warm_prompt, 2)  # warm-up: first-step allocations
+
+
+def _in_process_level(concurrency: int, prompts: list[str], max_tokens: int) -> dict:
+    return level(concurrency, prompts, max_tokens, _ENGINE_SENDER)
+
+
+def run(params: Params, artifacts) -> dict:
+    from clients.api import LLMClient
+    from kvforge.manifest import Manifest
+    from runtime.limits import DEFAULT_KV_CACHE_BYTES, Limits
+    from runtime.triton_server import TritonServer, free_ports
+
+    engine_dir = artifacts.engine(artifacts.export(params.model, "inplace", "fp32"), "fp32", params.threads)
+    repo = artifacts.root / "model_repository"
+    run_module("engines", "repository", str(engine_dir), "--repo", str(repo))
+    limits = Limits.from_manifest(Manifest.load(engine_dir), kv_cache_bytes=DEFAULT_KV_CACHE_BYTES)
+    prompts = prompt_texts(engine_dir, params.serving_prompt_tokens, 8)
+    http, grpc, metrics = free_ports(3)
+    triton, in_process = [], []
+    # Both stay up and take turns run by run, so load from elsewhere on the machine hits both
+    # alike; the idle one only waits on a condition variable.
+    with TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics) as server, \
+            multiprocessing.get_context("spawn").Pool(
+                1, initializer=_start_engine,
+                initargs=(str(engine_dir), limits.slots, DEFAULT_KV_CACHE_BYTES, params.threads, prompts[0])) as local:
+        send_triton = triton_sender(LLMClient(server.grpc_url))
+        send_triton(prompts[0], 2)  # warm-up: first-step allocations
+        for c in params.concurrency:
+            runs: dict[str, list[dict]] = {"triton": [], "in-process": []}
+            for _ in range(params.layout_rounds):
+                say(f"serving: triton, concurrency {c}")
+                runs["triton"].append(level(c, prompts, params.serving_new_tokens, send_triton))
+                say(f"serving: in-process, concurrency {c}")
+                runs["in-process"].append(local.apply(_in_process_level, (c, prompts, params.serving_new_tokens)))
+            triton.append(summarize(c, params.serving_new_tokens, runs["triton"]))
+            in_process.append(summarize(c, params.serving_new_tokens, runs["in-process"]))
+    overhead = {str(t["concurrency"]): round(100 * (1 - t["tokens_per_s"] / i["tokens_per_s"]), 2)
+                for t, i in zip(triton, in_process)}
+    return {
+        "model": params.model, "engine": str(engine_dir), "prompt_tokens": params.serving_prompt_tokens,
+        "new_tokens": params.serving_new_tokens, "greedy": True, "slots": limits.slots,
+        "kv_cache_bytes": DEFAULT_KV_CACHE_BYTES, "protocol": "gRPC stream_infer (decoupled llm model)",
+        "triton": triton, "in_process": in_process, "overhead_percent": overhead,
+        "method": "closed loop: c threads each send requests back to back; tokens/s = tokens received / "
+                  "wall time over the level's runs; Triton (its own server process, gRPC clients here) and "
+                  "in-process (LLMEngine and its client threads in one child process) take turns run by run; "
+                  "overhead = 1 - Triton tokens/s / in-process tokens/s",
+        "units": {"ttft_ms": "ms", "inter_token_ms": "ms", "tokens_per_s": "tokens/s (all streams)",
+                  "tokens_per_s_by_run": "tokens/s (all streams)",
+                  "wall_s": "s", "overhead_percent": "%", "kv_cache_bytes": "bytes"},
+    }

@@ -1,0 +1,115 @@
+"""`python -m bench --quick` end to end: every section runs and the results have the structure
+the README and readers rely on (keys, units, plots, the targets table). Never speed: numbers
+on a shared machine say nothing about correctness."""
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+
+import pytest
+
+from tests.conftest import run_cli
+
+SECTIONS = ("cache_speedup", "layouts", "kv_dtypes", "peers", "serving", "roofline", "weights")
+PLOTS = ("cache.png", "layouts.png", "serving.png")
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    result = run_cli("bench", "--quick", "--out", str(out), timeout=900)
+    assert (out / "bench.json").is_file(), result.stderr[-4000:]
+    return out, json.loads((out / "bench.json").read_text()), result
+
+
+def png_ok(data: bytes) -> bool:
+    """A PNG signature, an IHDR chunk with a sane size, and CRCs that check out."""
+    if data[:8] != b"\x89PNG\r\n\x1a\n":
+        return False
+    pos, kinds = 8, []
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])
+        if zlib.crc32(kind + body) != crc:
+            return False
+        kinds.append(kind)
+        if kind == b"IHDR":
+            width, height = struct.unpack(">II", body[:8])
+            if not (0 < width < 10000 and 0 < height < 10000):
+                return False
+        pos += 12 + length
+    return kinds[:1] == [b"IHDR"] and kinds[-1:] == [b"IEND"] and b"IDAT" in kinds
+
+
+def test_every_section_ran_with_units(quick_run):
+    _, results, run = quick_run
+    failed = {key: results[key].get("error") for key in SECTIONS if results[key]["status"] != "ok"}
+    assert not failed and run.returncode == 0, (failed, run.stderr[-3000:])
+    for key in SECTIONS:
+        assert isinstance(results[key]["units"], dict) and results[key]["units"], key
+    meta = results["meta"]
+    assert meta["params"]["quick"] is True
+    assert {"cpu_count", "load_average_at_start", "python"} <= meta["machine"].keys()
+    assert {"onnxruntime", "torch", "transformers", "onnxruntime-genai"} <= meta["versions"].keys()
+
+
+def test_cache_and_layout_structure(quick_run):
+    _, results, _ = quick_run
+    cache = results["cache_speedup"]
+    assert {"batch", "context", "speedup", "no_cache_ms", "cache_ms"} <= cache["headline"].keys()
+    assert cache["headline"]["speedup"] > 0
+    assert {c["batch"] for c in cache["curves"]} == set(results["meta"]["params"]["batches"])
+    for point in (p for c in cache["curves"] for p in c["points"]):
+        assert {"median_ms", "min_ms"} <= point["no_cache"].keys() & point["cache_inplace"].keys()
+    assert {"with_cache_s", "without_cache_s", "speedup"} <= cache["generation_total"].keys()
+    layouts = results["layouts"]
+    assert {(s["layout"], s["batch"]) for s in layouts["sweeps"]} == {
+        (layout, b) for layout in ("concat", "inplace") for b in results["meta"]["params"]["batches"]}
+    for sweep in layouts["sweeps"]:
+        for point in sweep["points"]:
+            assert {"median_ms", "peak_rss_bytes", "expected_bytes_copied_per_step",
+                    "observed_bytes_written", "capacity"} <= point.keys()
+            if sweep["layout"] == "inplace":  # the in-place contract, observed: no reallocation
+                assert point["arrays_reallocated"] == 0
+                assert point["observed_bytes_written"] == point["expected_bytes_copied_per_step"]
+
+
+def test_kv_dtypes_peers_roofline_weights_serving_structure(quick_run):
+    _, results, _ = quick_run
+    kv = results["kv_dtypes"]
+    assert [r["kv_dtype"] for r in kv["measured"]] == ["fp32", "fp16", "int8", "int4"]
+    for r in kv["measured"][1:]:
+        assert {"perplexity", "perplexity_vs_fp32_percent", "teacher_forced_agreement",
+                "free_running_agreement", "step_time", "bytes_per_token"} <= r.keys()
+    assert all("sequences_in_budget" in r for r in kv["bytes"]["benchmark_model"])
+    systems = results["peers"]["results"][0]["systems"]
+    assert {"kvforge_inplace", "kvforge_concat", "onnxruntime_genai", "hf_generate_cache",
+            "hf_generate_no_cache"} <= systems.keys()
+    assert "status" in results["peers"]["optimum_ort_model_for_causal_lm"]
+    assert results["roofline"]["bandwidth_bytes_per_s"] and "percent_of_roofline" in results["roofline"]["headline"]
+    weights = results["weights"]["results"]
+    assert [r["weights"] for r in weights] == ["fp32", "int8", "int4"]
+    assert all("error" in r or {"perplexity", "speed", "engine_bytes"} <= r.keys() for r in weights)
+    serving = results["serving"]
+    for mode in ("triton", "in_process"):
+        assert [r["concurrency"] for r in serving[mode]] == results["meta"]["params"]["concurrency"]
+        for r in serving[mode]:
+            assert {"p50", "p99"} <= r["ttft_ms"].keys() and "tokens_per_s" in r and r["completed"] == r["requests"]
+    assert set(serving["overhead_percent"]) == {str(c) for c in results["meta"]["params"]["concurrency"]}
+
+
+def test_plots_and_targets_table(quick_run):
+    out, results, run = quick_run
+    for name in PLOTS:
+        assert png_ok((out / name).read_bytes()), name
+    md = (out / "bench.md").read_text()
+    assert "| Target | Required | Measured | Status |" in md
+    statuses = {t["met"] for t in results["targets"]}
+    assert statuses <= {True, False, None}
+    assert len(results["targets"]) >= 8
+    for t in results["targets"]:
+        assert t["target"] in md
+    assert "[bench" in run.stderr  # progress is shown while it runs
+
