@@ -14,9 +14,15 @@ from kvforge.cli import atomic_directory, fail_cleanly, progress
 from kvforge.manifest import Manifest, ManifestError
 
 
-def choose_backend(requested: str) -> str:
-    if requested == "onnxruntime":
-        return requested
+def choose_backend(requested: str, manifest: Manifest, export_dir: Path) -> str:
+    """The backend to build for; the cache dtype decides first, before any check of the host."""
+    runs_on = manifest.kv.runs_on
+    wanted = runs_on if requested == "auto" else (requested,)
+    if not set(wanted) & set(runs_on):
+        raise ManifestError(f"the {manifest.kv_dtype} KV cache of {export_dir} cannot run on "
+                            f"{' or '.join(wanted) or 'any backend'}: {manifest.kv.note}")
+    if requested == "onnxruntime" or "tensorrt" not in runs_on:
+        return "onnxruntime"
     from runtime.tensorrt_runner import missing_requirement
 
     missing = missing_requirement()
@@ -32,7 +38,7 @@ def build(args) -> int:
     manifest = Manifest.load(args.export_dir)
     if manifest.engine:
         raise ManifestError(f"{args.export_dir} is already an engine; build from the export directory")
-    backend = choose_backend(args.backend)
+    backend = choose_backend(args.backend, manifest, args.export_dir)
     with atomic_directory(args.out) as tmp:
         if backend == "tensorrt":
             from engines import tensorrt_build

@@ -11,7 +11,7 @@ import torch
 
 from kvforge.manifest import FP8_SCALE, KVDType
 
-_EPS = 1e-8
+_SMALLEST_SCALE = 2.0 ** -24  # the smallest positive fp16: a zero vector must not divide by zero
 
 
 def encode(x: torch.Tensor, kv: KVDType) -> list[torch.Tensor]:
@@ -23,8 +23,9 @@ def encode(x: torch.Tensor, kv: KVDType) -> list[torch.Tensor]:
     if kv.name == "fp8":
         return [_fp8_quantize(x)]
     qmax = 127.0 if kv.name == "int8" else 7.0
-    scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(_EPS) / qmax
-    q = torch.round(x / scale).clamp(-qmax, qmax)
+    # quantize with the scale as stored (fp16), so decode multiplies by exactly what encode divided by
+    scale = (x.abs().amax(dim=-1, keepdim=True) / qmax).clamp_min(_SMALLEST_SCALE).to(torch.float16)
+    q = torch.round(x / scale.to(torch.float32)).clamp(-qmax, qmax)
     if kv.name == "int8":
         return [q.to(torch.int8), scale]
     # int4: shift to 0..15 and pack neighbours along head_dim into one byte (low, high nibble).
@@ -39,7 +40,7 @@ def decode(stored: list[torch.Tensor], kv: KVDType) -> torch.Tensor:
         return values.to(torch.float32)
     if kv.name == "fp8":
         return _fp8_dequantize(values)
-    scale = stored[1]
+    scale = stored[1].to(torch.float32)
     if kv.name == "int8":
         return values.to(torch.float32) * scale
     packed = values.to(torch.float32)

@@ -29,22 +29,32 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))
+        # one ONNX RMSNormalization op (opset 23) instead of six elementwise ones
+        return nn.functional.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps)
 
 
 def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [B, 1, S, D] for integer positions [B, S] (Hugging Face's half-split convention)."""
+    """cos/sin [B, S, D/2] for integer positions [B, S]."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     freqs = positions.to(torch.float32)[..., None] * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-    return emb.cos(), emb.sin()
+    return freqs.cos(), freqs.sin()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """Rotate x [B, H, S, D] with Hugging Face's half-split convention: one ONNX RotaryEmbedding
+    op (opset 23) instead of a dozen slices and elementwise ops per call. The 4-D form is the
+    one TensorRT's IRotaryEmbeddingLayer documents."""
+    return torch.onnx.ops.rotary_embedding(x, cos, sin)
+
+
+def packed_linear(x: torch.Tensor, layers: list[nn.Linear]) -> tuple[torch.Tensor, ...]:
+    """Several projections of the same input (q/k/v, gate/up) as one MatMul: fewer, larger
+    kernels per decode step. The weights stay separate under their Hugging Face names; the
+    exported Concat of constant weights is folded once by whoever loads the graph (the
+    ONNX Runtime engine build folds it before quantizing, TensorRT at build time)."""
+    weight = torch.cat([layer.weight for layer in layers])
+    bias = torch.cat([layer.bias for layer in layers]) if layers[0].bias is not None else None
+    return nn.functional.linear(x, weight, bias).split([layer.out_features for layer in layers], dim=-1)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -100,10 +110,10 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, cache: list[torch.Tensor], kv: KVDType, layout: str,
                 mask_or_positions: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = packed_linear(x, [self.q_proj, self.k_proj, self.v_proj])
+        q = apply_rotary(q.view(b, s, self.heads, self.head_dim).transpose(1, 2), cos, sin)
+        k = apply_rotary(k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+        v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
 
         new_k, new_v = kv_codec.encode(k, kv), kv_codec.encode(v, kv)
         # cache order per layer: key, value[, key_scale, value_scale] (kvforge.manifest)
@@ -132,7 +142,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = packed_linear(x, [self.gate_proj, self.up_proj])
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -34,7 +34,7 @@ class KVDType:
     name: str
     storage: str  # numpy/ONNX element type of the cache tensor
     bits: int  # bits per cached element (int4 packs two per uint8)
-    scale: str  # "none" | "per-token" (one fp32 scale per token and head) | "per-tensor"
+    scale: str  # "none" | "per-token" (one SCALE_STORAGE scale per token and head) | "per-tensor"
     runs_on: tuple[str, ...]
     note: str = ""
 
@@ -50,18 +50,29 @@ class KVDType:
         return head_dim * self.bits // 8 if self.bits < 8 else head_dim
 
 
+# Per-token scales are stored in fp16: 2 bytes beside every head_dim-byte int8 vector (fp32
+# scales made int8 KV 0.531x of fp16; fp16 scales 0.516x, with perplexity unchanged).
+SCALE_STORAGE = "float16"
+SCALE_BYTES = 2
+# Why TensorRT runs no quantized cache in place (TensorRT docs, KVCacheUpdate operator): the
+# in-place update takes float32/float16/bfloat16 caches only, and Q/DQ scales are build-time
+# constants, so neither per-token scales nor an int8/fp8 cache have an in-place TensorRT form.
+_TRT_QUANTIZED = "TensorRT's in-place KVCacheUpdate takes float32/float16/bfloat16 caches only"
 KV_DTYPES: dict[str, KVDType] = {
     d.name: d
     for d in (
         KVDType("fp32", "float32", 32, "none", ("onnxruntime", "tensorrt")),
         KVDType("fp16", "float16", 16, "none", ("onnxruntime", "tensorrt")),
-        KVDType("int8", "int8", 8, "per-token", ("onnxruntime", "tensorrt"),
-                "symmetric, one fp32 scale per (token, head) computed when the token is written"),
-        KVDType("int4", "uint8", 4, "per-token", ("onnxruntime", "tensorrt"),
-                "symmetric 4-bit, two values packed per byte along head_dim, fp32 scale per (token, head)"),
-        KVDType("fp8", "float8e4m3fn", 8, "per-tensor", ("tensorrt",),
-                "e4m3 via QuantizeLinear/DequantizeLinear with a static per-tensor scale; "
-                "ONNX Runtime CPU cannot scatter into an fp8 cache, so this export targets TensorRT on GPU hosts"),
+        KVDType("int8", "int8", 8, "per-token", ("onnxruntime",),
+                "symmetric, one fp16 scale per (token, head) computed when the token is written; "
+                f"ONNX Runtime only ({_TRT_QUANTIZED} and fixed Q/DQ scales)"),
+        KVDType("int4", "uint8", 4, "per-token", ("onnxruntime",),
+                "symmetric 4-bit, two values packed per byte along head_dim, fp16 scale per (token, head); "
+                f"ONNX Runtime only ({_TRT_QUANTIZED})"),
+        KVDType("fp8", "float8e4m3fn", 8, "per-tensor", (),
+                "e4m3 via QuantizeLinear/DequantizeLinear with a static per-tensor scale, the form TensorRT's "
+                "strongly typed networks need; runs nowhere yet: ONNX Runtime CPU cannot scatter into an fp8 "
+                f"cache and {_TRT_QUANTIZED}"),
     )
 }
 FP8_SCALE = 1.0  # static per-tensor fp8 scale (uncalibrated): |K|,|V| of Llama-style models sit far below 448
@@ -147,7 +158,7 @@ class ModelSpec:
 def kv_bytes_per_token(spec: ModelSpec, dtype: str) -> int:
     """Bytes one token occupies in the cache: K and V, every layer and KV head (plus scales)."""
     d = kv_dtype(dtype)
-    per_head = spec.head_dim * d.bits // 8 + (4 if d.has_scale_tensors else 0)
+    per_head = spec.head_dim * d.bits // 8 + (SCALE_BYTES if d.has_scale_tensors else 0)
     return 2 * spec.num_layers * spec.num_kv_heads * per_head
 
 
@@ -210,7 +221,7 @@ def io_tensors(spec: ModelSpec, layout: str, dtype: str) -> tuple[list[TensorSpe
         for prefix, length, dest in ((past_prefix, past_len, inputs), (present_prefix, present_len, outputs)):
             for name in kv_tensor_names(i, prefix, d.has_scale_tensors):
                 scale = name.endswith("_scale")
-                dest.append(TensorSpec(name, "float32" if scale else d.storage,
+                dest.append(TensorSpec(name, SCALE_STORAGE if scale else d.storage,
                                        ("batch", kvh, length, 1 if scale else hd)))
     return inputs, outputs
 

@@ -15,6 +15,7 @@ from engines.tensorrt_build import build, cast_weights, pin_capacity, profile_sh
 from kvforge.manifest import Manifest, ManifestError, kv_pairs
 from runtime.runner import OrtInplaceRunner, open_runner
 from runtime.tensorrt_runner import TensorRTRunner, check_engine_match, missing_requirement, read_plan
+from tests.conftest import run_cli
 
 MISSING = missing_requirement()
 without_tensorrt = pytest.mark.skipif(MISSING is None, reason="TensorRT and a CUDA GPU are present")
@@ -39,6 +40,17 @@ def test_build_and_runner_refuse_with_one_line(exports, tmp_path):
     (engine / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(ManifestError, match="^cannot run the TensorRT engine: "):
         open_runner(engine)
+
+
+@pytest.mark.parametrize("dtype, backend", [("int8", "tensorrt"), ("fp8", "tensorrt"), ("fp8", "auto")])
+def test_quantized_caches_are_refused_where_they_cannot_run(exports, tmp_path, dtype, backend):
+    """Before any TensorRT check: the cache dtype itself has no engine on that backend."""
+    result = run_cli("engines", "build", str(exports("inplace", dtype)), "--backend", backend,
+                     "--out", str(tmp_path / "engine"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "KVCacheUpdate takes float32/float16/bfloat16 caches only" in result.stderr
+    assert f"{dtype} KV cache" in result.stderr.splitlines()[-1]
+    assert not (tmp_path / "engine").exists()
 
 
 def test_version_or_gpu_mismatch_names_both_sides():
@@ -127,7 +139,11 @@ def test_offline_op_check_on_real_exports(exports, tmp_path):
                for line in int8)
     assert any(line.startswith("Cast x") and "INT8" in line for line in int8)
     concat = exports("concat", "fp32") / "model.onnx"
-    assert trt_ops.unsupported_ops(concat, "10.13") == [] == trt_ops.unsupported_ops(concat, "11.0")
+    assert trt_ops.unsupported_ops(concat, "10.15") == [] == trt_ops.unsupported_ops(concat, "11.0")
+    # the fused norm and rotary ops need the 10.15 parser; the model has 2 layers (5 norms, 4 rotations)
+    assert sorted(trt_ops.unsupported_ops(concat, "10.14")) == [
+        "RMSNormalization x5: not imported by the TensorRT 10.14 parser (added in 10.15)",
+        "RotaryEmbedding x4: not imported by the TensorRT 10.14 parser (added in 10.15)"]
     with pytest.raises(ManifestError, match=r"target '9\.3'; known targets: 10\.13, 10\.14, 10\.15, 11\.0"):
         trt_ops.unsupported_ops(inplace, "9.3")
     with pytest.raises(ManifestError, match="is missing"):
