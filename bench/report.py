@@ -154,9 +154,8 @@ def serving_targets(serving: dict) -> list[dict]:
                        ", ".join(f"c{c}: {v:+.1f}%" for c, v in overhead.items()), worst <= 10,
                        f"worst {worst:+.1f}% of in-process tokens/s at concurrency {worst_c}: TTFT p50 "
                        f"{triton['ttft_ms']['p50'] - local['ttft_ms']['p50']:+.1f} ms, inter-token p50 "
-                       f"{triton['inter_token_ms']['p50'] - local['inter_token_ms']['p50']:+.2f} ms through Triton; "
-                       f"with {serving['new_tokens']} tokens per request a fixed per-request cost weighs "
-                       "in proportion"))
+                       f"{triton['inter_token_ms']['p50'] - local['inter_token_ms']['p50']:+.2f} ms through Triton. "
+                       + _serving_cpu_why(triton)))
     return rows
 
 
@@ -345,22 +344,39 @@ def _md_peers(peers: dict) -> list[str]:
             *_table(["batch", *names], rows), "", f"Optimum ORTModelForCausalLM: {o['status']} ({o['why']})."]
 
 
+def _serving_cpu_why(triton_row: dict) -> str:
+    """Why Triton costs throughput here: the CPU its request path burns per token, on the cores
+    the engine also needs (every process of this benchmark shares the machine)."""
+    cpu = triton_row.get("cpu_ms_per_token")
+    if not cpu:
+        return ""
+    return (f"Per token streamed, the client process (tritonclient gRPC) used {cpu['client']:.2f} ms of CPU and "
+            f"tritonserver {cpu['tritonserver']:.2f} ms, on the same cores the engine computes on; one response "
+            "per token is the python backend's only way to stream")
+
+
 def _md_serving(serving: dict) -> list[str]:
+    def cpu(r: dict) -> str:
+        return " / ".join(f"{v:.2f}" for v in r.get("cpu_ms_per_token", {}).values())
+
     rows = [[mode, r["concurrency"], f"{r['ttft_ms']['p50']:.1f} / {r['ttft_ms']['p99']:.1f}",
-             f"{r['inter_token_ms']['p50']:.2f} / {r['inter_token_ms']['p99']:.2f}", f"{r['tokens_per_s']:.1f}"]
+             f"{r['inter_token_ms']['p50']:.2f} / {r['inter_token_ms']['p99']:.2f}", f"{r['tokens_per_s']:.1f}", cpu(r)]
             for mode in ("triton", "in_process") for r in serving[mode]]
     return [f"## 5. Serving ({serving['prompt_tokens']}-token prompts, {serving['new_tokens']} new tokens, "
             f"{serving['slots']} slots)", "",
-            *_table(["mode", "concurrency", "TTFT p50 / p99 (ms)", "inter-token p50 / p99 (ms)", "tokens/s"], rows)]
+            *_table(["mode", "concurrency", "TTFT p50 / p99 (ms)", "inter-token p50 / p99 (ms)", "tokens/s",
+                     "CPU ms per token (triton: client / tritonserver / llm model; in-process: all)"], rows)]
 
 
 def _md_roofline(roof: dict) -> list[str]:
-    bw = ", ".join(f"{k.split('_')[0]} ({k.split('_')[1]} threads) {v / 1e9:.1f} GB/s"
+    probes = {"read": "np.dot read", "copy": "np.copyto", "matmul": "ONNX Runtime MatMul read"}
+    bw = ", ".join(f"{probes[k.split('_')[0]]} ({k.split('_')[1]} threads) {v / 1e9:.1f} GB/s"
                    for k, v in roof["bandwidth_bytes_per_s"].items())
+    bound_by = roof.get("bound_by", f"read_{roof['threads']}_threads").split("_")
     rows = [[p["context"], f"{p['bound_ms']:.2f}", f"{p['fastest_ms']:.2f}", f"{p['median_ms']:.2f}",
              f"{p['percent_of_roofline']:.1f}", f"{p['percent_of_roofline_median_step']:.1f}"] for p in roof["points"]]
     return ["## 6. Roofline (batch 1, in-place)", "",
-            f"Bandwidth {bw} (the bound uses read at {roof['threads']} threads); "
+            f"Bandwidth {bw} (the bound uses the best read: {probes[bound_by[0]]} at {bound_by[1]} threads); "
             f"{roof['weight_bytes_per_step'] / 2**20:.0f} MiB of weights read per decode step.",
             "", *_table(["context", "bound (ms)", "fastest step (ms)", "median step (ms)", "% of roofline (fastest)",
                          "% (median)"], rows)]

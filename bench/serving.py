@@ -9,7 +9,9 @@ length and max_tokens (greedy); a level's tokens/s is all tokens received over i
 from __future__ import annotations
 
 import multiprocessing
+import os
 import queue
+import resource
 import threading
 import time
 from pathlib import Path
@@ -49,6 +51,29 @@ def percentiles(values: list[float]) -> dict:
             "mean": round(float(a.mean()), 3), "samples": int(a.size)}
 
 
+def own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def process_cpu_seconds(root_pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of a process and of each of its children, from /proc (Linux):
+    {"root": s, "children": s} - for Triton the server and its python backend stubs."""
+    tick, parents, seconds = os.sysconf("SC_CLK_TCK"), {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+        except OSError:  # exited meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
+        parents[int(entry)] = int(fields[1])
+        seconds[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    return {"root": seconds.get(root_pid, 0.0),
+            "children": sum(s for pid, s in seconds.items() if parents[pid] == root_pid)}
+
+
 def level(concurrency: int, prompts: list[str], max_tokens: int, one_request) -> dict:
     """One closed-loop run: `concurrency` threads each send their share of requests back to back.
     one_request(prompt, max_tokens) -> list of (seconds since send, tokens in that delta).
@@ -74,13 +99,24 @@ def level(concurrency: int, prompts: list[str], max_tokens: int, one_request) ->
             with lock:
                 records.append(arrivals)
 
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), own_cpu_seconds()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return {"requests": total, "records": records, "errors": errors, "wall_s": time.perf_counter() - began}
+    return {"requests": total, "records": records, "errors": errors, "wall_s": time.perf_counter() - began,
+            "cpu_s": {"this_process": own_cpu_seconds() - cpu}}
+
+
+def triton_level(server, concurrency: int, prompts: list[str], max_tokens: int, one_request) -> dict:
+    """level() through Triton, with the CPU the server and its python backend stubs used meanwhile."""
+    before = process_cpu_seconds(server.process.pid)
+    run = level(concurrency, prompts, max_tokens, one_request)
+    after = process_cpu_seconds(server.process.pid)
+    run["cpu_s"] = {"client": run["cpu_s"]["this_process"], "tritonserver": after["root"] - before["root"],
+                    "llm_model": after["children"] - before["children"]}
+    return run
 
 
 def summarize(concurrency: int, max_tokens: int, runs: list[dict]) -> dict:
@@ -95,13 +131,15 @@ def summarize(concurrency: int, max_tokens: int, runs: list[dict]) -> dict:
         for (t0, _), (t1, n) in zip(timed, timed[1:]):
             gaps += [(t1 - t0) / n] * n  # a delta carrying n tokens spreads its gap over them
     wall = sum(run["wall_s"] for run in runs)
+    cpu = {part: sum(run["cpu_s"][part] for run in runs) for part in runs[0]["cpu_s"]}
     return {"concurrency": concurrency, "runs": len(runs), "requests": sum(run["requests"] for run in runs),
             "completed": len(records), "errors": [e for run in runs for e in run["errors"]][:5], "tokens": tokens,
             "full_length_requests": sum(sum(n for _, n in a) == max_tokens for a in records),
             "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 2),
             "tokens_per_s_by_run": [round(sum(n for a in run["records"] for _, n in a) / run["wall_s"], 2)
                                     for run in runs],
-            "ttft_ms": percentiles(ttft), "inter_token_ms": percentiles(gaps or [0.0])}
+            "ttft_ms": percentiles(ttft), "inter_token_ms": percentiles(gaps or [0.0]),
+            "cpu_ms_per_token": {part: round(1e3 * s / max(tokens, 1), 3) for part, s in cpu.items()}}
 
 
 def triton_sender(client):
@@ -144,7 +182,9 @@ def _start_engine(engine_dir: str, slots: int, kv_cache_bytes: int, threads: int
 
 
 def _in_process_level(concurrency: int, prompts: list[str], max_tokens: int) -> dict:
-    return level(concurrency, prompts, max_tokens, _ENGINE_SENDER)
+    run = level(concurrency, prompts, max_tokens, _ENGINE_SENDER)
+    run["cpu_s"] = {"engine_and_clients": run["cpu_s"]["this_process"]}
+    return run
 
 
 def run(params: Params, artifacts) -> dict:
@@ -172,7 +212,7 @@ def run(params: Params, artifacts) -> dict:
             runs: dict[str, list[dict]] = {"triton": [], "in-process": []}
             for _ in range(params.layout_rounds):
                 say(f"serving: triton, concurrency {c}")
-                runs["triton"].append(level(c, prompts, params.serving_new_tokens, send_triton))
+                runs["triton"].append(triton_level(server, c, prompts, params.serving_new_tokens, send_triton))
                 say(f"serving: in-process, concurrency {c}")
                 runs["in-process"].append(local.apply(_in_process_level, (c, prompts, params.serving_new_tokens)))
             triton.append(summarize(c, params.serving_new_tokens, runs["triton"]))
@@ -189,6 +229,9 @@ def run(params: Params, artifacts) -> dict:
                   "in-process (LLMEngine and its client threads in one child process) take turns run by run; "
                   "overhead = 1 - Triton tokens/s / in-process tokens/s",
         "units": {"ttft_ms": "ms", "inter_token_ms": "ms", "tokens_per_s": "tokens/s (all streams)",
+                  "cpu_ms_per_token": "CPU ms (user + system) per token received: triton = the benchmark's "
+                                      "client process, tritonserver, and the llm model's python stub (engine "
+                                      "included); in-process = the one process running engine and clients",
                   "tokens_per_s_by_run": "tokens/s (all streams)",
                   "wall_s": "s", "overhead_percent": "%", "kv_cache_bytes": "bytes"},
     }

@@ -24,9 +24,10 @@ from runtime.limits import DEFAULT_KV_CACHE_BYTES, Limits
 DEFAULT_ENGINE_DIR = Path("model_repository/llm/1/engine")
 MODEL_SOURCES = Path(__file__).resolve().parents[1] / "model_repository"
 MODELS = ("llm", "step")
-# Arrivals within this window reach execute() together; generation continues batching inside
-# the runtime, so the window only needs to catch simultaneous requests.
-LLM_QUEUE_DELAY_US = 1000
+# Arrivals within this window reach execute() together. The llm model's execute() returns at
+# once and a request that arrives mid-step joins the engine's next step (continuous batching),
+# so waiting would only add to its TTFT: requests queued meanwhile still arrive as one batch.
+LLM_QUEUE_DELAY_US = 0
 STEP_QUEUE_DELAY_US = 2000
 
 

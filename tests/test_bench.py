@@ -97,6 +97,10 @@ def test_kv_dtypes_peers_roofline_weights_serving_structure(quick_run):
         assert [r["concurrency"] for r in serving[mode]] == results["meta"]["params"]["concurrency"]
         for r in serving[mode]:
             assert {"p50", "p99"} <= r["ttft_ms"].keys() and "tokens_per_s" in r and r["completed"] == r["requests"]
+        parts = {"triton": {"client", "tritonserver", "llm_model"}, "in_process": {"engine_and_clients"}}[mode]
+        # the engine's process computes every token, so its CPU share cannot be zero
+        assert all(r["cpu_ms_per_token"].keys() == parts and max(r["cpu_ms_per_token"].values()) > 0
+                   for r in serving[mode])
     assert set(serving["overhead_percent"]) == {str(c) for c in results["meta"]["params"]["concurrency"]}
 
 
