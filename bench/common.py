@@ -64,7 +64,7 @@ def params(quick: bool, threads: int) -> Params:
     return Params(quick=False, model="small-llama", quality_model=trained, threads=threads, batches=(1, 8),
                   contexts=(128, 256, 512, 1024, 2048, 4096),
                   nocache_contexts={1: (128, 512, 2048, 4096), 8: (128, 512)}, nocache_repeats=2,
-                  timed_steps=8, layout_rounds=2, prompt_tokens=128, new_tokens=64, peer_rounds=3, hf_new_tokens=32,
+                  timed_steps=8, layout_rounds=4, prompt_tokens=128, new_tokens=64, peer_rounds=3, hf_new_tokens=32,
                   hf_nocache_new_tokens=4, dtype_contexts=(512, 2048), eval_windows=None, greedy_prompt_tokens=64,
                   greedy_tokens=256, concurrency=(1, 4, 16, 64), serving_prompt_tokens=64, serving_new_tokens=64)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import queue
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -79,7 +78,6 @@ class LLMClient:
         if protocol not in DEFAULT_URLS:
             raise ValueError(f"protocol must be grpc or http, got {protocol!r}")
         self.url, self.protocol, self.model, self.timeout = url or DEFAULT_URLS[protocol], protocol, model, timeout
-        self._local = threading.local()  # each thread's open gRPC stream, reused by its next requests
 
     def stream(self, prompt: str | bytes, max_tokens: int = 16, **options) -> Iterator[Delta]:
         fields = request_fields(prompt, max_tokens, stream=True, **options)
@@ -112,9 +110,11 @@ class LLMClient:
             tensor = grpcclient.InferInput(name, list(data.shape), datatype)
             tensor.set_data_from_numpy(data)
             inputs.append(tensor)
+        responses: queue.Queue = queue.Queue()
+        client = grpcclient.InferenceServerClient(self.url)
         finished = False
         try:
-            client, responses = self._open_stream()
+            client.start_stream(callback=lambda result, error: responses.put((result, error, time.perf_counter())))
             started = time.perf_counter()
             client.async_stream_infer(self.model, inputs, enable_empty_final_response=True)
             while not finished:
@@ -132,31 +132,13 @@ class LLMClient:
                             ids.reshape(-1).tolist() if ids is not None else [], arrived - started, finished)
         except InferenceServerException as e:
             try:  # a broken stream reports why through the callback, not the exception
-                e = self._local.stream[1].get(timeout=1.0)[1] or e
-            except (queue.Empty, AttributeError, TypeError):
+                e = responses.get(timeout=1.0)[1] or e
+            except queue.Empty:
                 pass
             raise GenerationError(f"cannot reach {self.url}: {e.message()}") from None
         finally:
-            if not finished:  # left early or broken: cancel the request with its stream
-                self.close(cancel_requests=True)
-
-    def _open_stream(self):
-        """This thread's client and response queue, its gRPC stream started once and reused:
-        a new channel and stream per request cost milliseconds of TTFT and client CPU."""
-        import tritonclient.grpc as grpcclient
-
-        if getattr(self._local, "stream", None) is None:
-            client, responses = grpcclient.InferenceServerClient(self.url), queue.Queue()
-            client.start_stream(callback=lambda result, error: responses.put((result, error, time.perf_counter())))
-            self._local.stream = (client, responses)
-        return self._local.stream
-
-    def close(self, cancel_requests: bool = False) -> None:
-        """Close this thread's gRPC stream (the next request opens a new one)."""
-        stream, self._local.stream = getattr(self._local, "stream", None), None
-        if stream is not None:
-            stream[0].stop_stream(cancel_requests=cancel_requests)
-            stream[0].close()
+            client.stop_stream(cancel_requests=not finished)
+            client.close()
 
     # ------------------------------------------------------------------ HTTP
 

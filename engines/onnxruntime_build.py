@@ -40,17 +40,14 @@ def quantize_weights(src: Path, dst: Path, weights: str) -> None:
     quantizer.model.save_model_to_file(str(dst), use_external_data_format=False)
 
 
-def optimize(src: Path, dst: Path, threads: int, level: str = "extended") -> None:
+def optimize(src: Path, dst: Path, threads: int) -> None:
     """Apply ORT's graph optimizations once and save the result, so sessions start fast.
-    'basic' folds constants (the export's packed q/k/v and gate/up weights become single
-    initializers the quantizer can see); 'extended' adds ORT's fusions and stays portable
-    across CPUs; hardware-specific layout transforms (level 'all') are re-applied when a
-    session loads the engine."""
+    'Extended' keeps the saved graph portable across CPUs; hardware-specific layout
+    transforms (level 'all') are re-applied when a session loads it."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
-    opts.graph_optimization_level = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-                                     "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED}[level]
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     opts.optimized_model_filepath = str(dst)
     opts.intra_op_num_threads = threads
     opts.log_severity_level = 3
@@ -93,15 +90,12 @@ def build(export_dir: Path, out_dir: Path, manifest: Manifest, weights: str = "f
     started = time.perf_counter()
     source = export_dir / manifest.onnx_file
     if weights != "fp32":
-        with progress("folding constants"):
-            optimize(source, out_dir / "folded.onnx", threads, level="basic")
         with progress(f"quantizing weights to {weights}"):
-            quantize_weights(out_dir / "folded.onnx", out_dir / "quantized.onnx", weights)
+            quantize_weights(source, out_dir / "quantized.onnx", weights)
             source = out_dir / "quantized.onnx"
     with progress(f"applying ONNX Runtime graph optimizations ({threads} threads)"):
         optimize(source, out_dir / MODEL_FILE, threads)
-    for scratch in ("folded.onnx", "quantized.onnx"):
-        (out_dir / scratch).unlink(missing_ok=True)
+    (out_dir / "quantized.onnx").unlink(missing_ok=True)
     for name in manifest.tokenizer.get("files", []):
         shutil.copy2(export_dir / name, out_dir / name)
     engine = {"backend": "onnxruntime", "file": MODEL_FILE, "onnxruntime_version": ort.__version__,

@@ -9,15 +9,19 @@ ONNX preparation (weight precision, pinned cache capacity) and the profile arith
   (NVIDIA documents ModelOpt AutoCast for this; it installs from NVIDIA's own index).
   Only the weights of MatMul and Gather (and those ops) go to low precision; norms, rotary and the
   KV cache keep the exported types (the cache must stay the exact network input to be updated in place).
-- The inplace cache capacity is pinned to manifest.max_seq_len: IKVCacheUpdateLayer needs a static
-  maximum sequence length. One plan per capacity bucket would copy every weight per bucket.
+- The inplace cache capacity is pinned to manifest.max_seq_len: the KVCacheUpdate operator needs
+  the cache as a network input with a static sequence dimension, so one plan cannot hold capacity
+  buckets as profiles, and one plan per bucket would hold every weight once per bucket.
+- Only fp32/fp16 caches are built (manifest runs_on): KVCacheUpdate takes float32/float16/bfloat16
+  caches only, so an int8/fp8 cache cannot be updated in place (TensorRT docs, operators/KVCacheUpdate).
 - One optimization profile: batch 1..max_slots, new tokens 1..max_new_tokens (tuned for decode,
   seq 1); concat also past and total, with past + seq = total at min, opt and max so the network
   is consistent at the shapes TensorRT plans for; that caps the concat past at
   max_seq_len - max_new_tokens.
 - A persisted timing cache (loaded when present, saved after) makes rebuilds fast.
 Before building, engines/trt_ops.py lists what the running parser is documented to reject (an
-fp32/fp16 inplace export imports whole from 10.15; int8/int4 caches use Casts TensorRT lacks).
+fp32/fp16 export imports whole from 10.15, whose parser added RMSNormalization, RotaryEmbedding
+and TensorScatter).
 """
 from __future__ import annotations
 

@@ -49,9 +49,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def packed_linear(x: torch.Tensor, layers: list[nn.Linear]) -> tuple[torch.Tensor, ...]:
     """Several projections of the same input (q/k/v, gate/up) as one MatMul: fewer, larger
-    kernels per decode step. The weights stay separate under their Hugging Face names; the
-    exported Concat of constant weights is folded once by whoever loads the graph (the
-    ONNX Runtime engine build folds it before quantizing, TensorRT at build time)."""
+    kernels per decode step. The module keeps the weights separate under their Hugging Face
+    names; the export folds their Concat into one initializer (export/onnx_export.py)."""
     weight = torch.cat([layer.weight for layer in layers])
     bias = torch.cat([layer.bias for layer in layers]) if layers[0].bias is not None else None
     return nn.functional.linear(x, weight, bias).split([layer.out_features for layer in layers], dim=-1)

@@ -6,6 +6,7 @@ import warnings
 from pathlib import Path
 
 import onnx
+import onnxscript.optimizer
 import torch
 
 from kvforge.manifest import OPSET, Manifest, TensorSpec
@@ -16,6 +17,7 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torc
 # Sizes of the example inputs; each dim is exported as dynamic, so these only need to differ.
 EXAMPLE_SIZES = {"batch": 2, "seq": 3, "past": 5, "total": 8, "capacity": 16}
 EXTERNAL_DATA_BYTES = 1 << 30  # protobuf cannot hold more than 2 GiB; keep weights beside it well before
+FOLD_LIMIT = 1 << 40  # elements: fold weight-only subgraphs whatever their size
 
 
 def example_input(t: TensorSpec) -> torch.Tensor:
@@ -47,6 +49,11 @@ def export_onnx(model: CausalLM, manifest: Manifest, path: Path) -> None:
             model, args, dynamo=True, opset_version=OPSET, dynamic_shapes=dynamic_shapes,
             input_names=[t.name for t in inputs], output_names=[t.name for t in outputs],
             optimize=True, verbose=False, report=False)
+    # The packed q/k/v and gate/up weights are exported as Concat (+ Transpose) of the checkpoint's
+    # tensors; fold them into single initializers so every consumer sees MatMul(x, W): the weight
+    # quantizer, TensorRT's weight cast and the op check (the exporter's own folding stops at 256K elements).
+    onnxscript.optimizer.fold_constants(program.model, input_size_limit=FOLD_LIMIT, output_size_limit=FOLD_LIMIT)
+    onnxscript.optimizer.remove_unused_nodes(program.model)
     proto = program.model_proto
     _name_symbolic_dims(proto, inputs, outputs)
     large = sum(t.ByteSize() for t in proto.graph.initializer) > EXTERNAL_DATA_BYTES

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 from onnxruntime import OrtValue
@@ -152,6 +154,12 @@ def test_ort_engine_build_records_and_gates(exports, tmp_path):
     assert result.returncode == 0, result.stderr
     assert Manifest.load(quantized).engine["size_bytes"] < engine["size_bytes"] / 2
     assert isinstance(open_runner(quantized), OrtInplaceRunner)
+    # every projection is quantized, the packed q/k/v and gate/up ones included; a tied lm_head
+    # (the quantizer skips it) would be the one float MatMul left
+    ops = Counter(n.op_type for n in onnx.load(str(quantized / "model.onnx")).graph.node)
+    model = Manifest.load(export_dir).model
+    assert ops["DynamicQuantizeMatMul"] == 4 * model.num_layers + (not model.tie_word_embeddings)
+    assert ops["MatMul"] == int(model.tie_word_embeddings)
 
 
 def test_tensorrt_backend_refused_and_auto_falls_back(exports, tmp_path):

@@ -154,7 +154,8 @@ class TritonPythonModel:
         return client.cancelled
 
     def send(self, client, out):
-        if not out.finished and self.check_cancelled(client):
+        # is_cancelled() is a round trip to the server: poll() asks every POLL_SECONDS, not per token
+        if client.cancelled and not out.finished:
             return
         if out.finished:
             with self.live_lock:
