@@ -160,18 +160,25 @@ def serving_targets(serving: dict) -> list[dict]:
 
 
 def kv_dtype_target(kv: dict) -> dict:
+    """Judged on int8-static (calibrated scales in the graph: nothing stored beside the cache);
+    the per-token int8 cache, which needs no calibration, is quoted beside it."""
     name, required = "int8 KV: half the bytes of fp16, perplexity within 1% of fp32", "<= 0.50x fp16 bytes, <= 1%"
     if not _ok(kv):
         return _skipped(name, required, "kv_dtypes section did not run")
-    ratio = next(r for r in kv["bytes"]["benchmark_model"] if r["kv_dtype"] == "int8")["relative_to_fp16"]
-    ppl = next(r for r in kv["measured"] if r["kv_dtype"] == "int8")["perplexity_vs_fp32_percent"]
+
+    def figures(dtype: str) -> tuple[float, float]:
+        ratio = next(r for r in kv["bytes"]["benchmark_model"] if r["kv_dtype"] == dtype)["relative_to_fp16"]
+        return ratio, next(r for r in kv["measured"] if r["kv_dtype"] == dtype)["perplexity_vs_fp32_percent"]
+
+    ratio, ppl = figures("int8-static")
+    per_token_ratio, per_token_ppl = figures("int8")
     bytes_met, ppl_met = ratio <= 0.5, abs(ppl) <= 1
-    detail = [f"bytes {ratio:.3f}x fp16" + ("" if bytes_met else
-              f" ({100 * (ratio - 0.5):.1f} points over: the fp32 scale stored per token and head adds "
-              "4 bytes to every head_dim-byte vector)"),
-              f"perplexity {ppl:+.2f}% vs fp32" + ("" if ppl_met else " (over the 1% bound)")]
-    return target(name, required, f"{ratio:.3f}x fp16 bytes, perplexity {ppl:+.2f}%", bytes_met and ppl_met,
-                  "; ".join(detail))
+    detail = [f"int8-static: bytes {ratio:.3f}x fp16, perplexity {ppl:+.2f}% vs fp32"
+              + ("" if ppl_met else " (over the 1% bound)"),
+              f"per-token int8: {per_token_ratio:.3f}x fp16 (its fp16 scale per token and head), "
+              f"perplexity {per_token_ppl:+.2f}%"]
+    return target(name, required, f"int8-static {ratio:.3f}x fp16 bytes, perplexity {ppl:+.2f}%",
+                  bytes_met and ppl_met, "; ".join(detail))
 
 
 def targets(results: dict) -> list[dict]:
@@ -426,6 +433,7 @@ def markdown(results: dict) -> str:
 
 def write(results: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "bench.json", results)  # the measurements first: a failing report must not lose them
     results["targets"] = targets(results)
     plt = _figure()
     plot_cache(plt, results.get("cache_speedup"), results.get("layouts"), out / "cache.png")

@@ -57,6 +57,11 @@ def export(model: str, out: Path, kv_layout: str, kv_dtype: str, max_seq_len: in
         with progress("loading safetensors weights"):
             _, torch_model = checkpoint.load_model(source, kv_layout, KV_DTYPES[kv_dtype])
             manifest.source = {"path": str(Path(source).resolve()), "sha256": checkpoint.fingerprint(source)}
+        if KV_DTYPES[kv_dtype].scale == "per-channel":
+            from export.calibrate import calibrate, calibration_ids
+
+            with progress("calibrating static KV scales"):
+                manifest.source["kv_calibration"] = calibrate(torch_model, calibration_ids(source))
         with progress(f"tracing to ONNX (opset {manifest.opset}, {kv_layout} layout, {kv_dtype} KV)"):
             export_onnx(torch_model, manifest, tmp / manifest.onnx_file)
         for name in tokenizer["files"]:

@@ -14,14 +14,17 @@ from kvforge.manifest import FP8_SCALE, KVDType
 _SMALLEST_SCALE = 2.0 ** -24  # the smallest positive fp16: a zero vector must not divide by zero
 
 
-def encode(x: torch.Tensor, kv: KVDType) -> list[torch.Tensor]:
-    """[B, H, S, D] float -> the tensors stored in the cache (values, and a scale if any)."""
+def encode(x: torch.Tensor, kv: KVDType, static_scale: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """[B, H, S, D] float -> the tensors stored in the cache (values, and a scale if any).
+    static_scale [1, H, 1, D]: the calibrated scales of int8-static (export/calibrate.py)."""
     if kv.name == "fp32":
         return [x]
     if kv.name == "fp16":
         return [x.to(torch.float16)]
     if kv.name == "fp8":
         return [_fp8_quantize(x)]
+    if kv.name == "int8-static":
+        return [torch.round(x / static_scale).clamp(-127.0, 127.0).to(torch.int8)]
     qmax = 127.0 if kv.name == "int8" else 7.0
     # quantize with the scale as stored (fp16), so decode multiplies by exactly what encode divided by
     scale = (x.abs().amax(dim=-1, keepdim=True) / qmax).clamp_min(_SMALLEST_SCALE).to(torch.float16)
@@ -33,13 +36,15 @@ def encode(x: torch.Tensor, kv: KVDType) -> list[torch.Tensor]:
     return [(u[..., 0::2] + 16.0 * u[..., 1::2]).to(torch.uint8), scale]
 
 
-def decode(stored: list[torch.Tensor], kv: KVDType) -> torch.Tensor:
+def decode(stored: list[torch.Tensor], kv: KVDType, static_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The inverse of encode, back to float32 [B, H, T, D]."""
     values = stored[0]
     if kv.name in ("fp32", "fp16"):
         return values.to(torch.float32)
     if kv.name == "fp8":
         return _fp8_dequantize(values)
+    if kv.name == "int8-static":
+        return values.to(torch.float32) * static_scale
     scale = stored[1].to(torch.float32)
     if kv.name == "int8":
         return values.to(torch.float32) * scale

@@ -105,6 +105,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=bias)
         self.v_proj = nn.Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=bias)
         self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=False)
+        # int8-static KV: calibrated per-channel scales (export/calibrate.py); not checkpoint weights
+        scale_shape = (1, spec.num_kv_heads, 1, spec.head_dim)
+        self.register_buffer("k_scale", torch.ones(scale_shape), persistent=False)
+        self.register_buffer("v_scale", torch.ones(scale_shape), persistent=False)
 
     def forward(self, x, cos, sin, cache: list[torch.Tensor], kv: KVDType, layout: str,
                 mask_or_positions: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -114,7 +118,7 @@ class Attention(nn.Module):
         k = apply_rotary(k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
         v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
 
-        new_k, new_v = kv_codec.encode(k, kv), kv_codec.encode(v, kv)
+        new_k, new_v = kv_codec.encode(k, kv, self.k_scale), kv_codec.encode(v, kv, self.v_scale)
         # cache order per layer: key, value[, key_scale, value_scale] (kvforge.manifest)
         new = [new_k[0], new_v[0]] + ([new_k[1], new_v[1]] if len(new_k) > 1 else [])
         if layout == "concat":
@@ -122,8 +126,8 @@ class Attention(nn.Module):
         else:
             present = [scatter_into(old, fresh, mask_or_positions) for old, fresh in zip(cache, new)]
         scales = len(present) > 2
-        k_all = kv_codec.decode([present[0]] + ([present[2]] if scales else []), kv)
-        v_all = kv_codec.decode([present[1]] + ([present[3]] if scales else []), kv)
+        k_all = kv_codec.decode([present[0]] + ([present[2]] if scales else []), kv, self.k_scale)
+        v_all = kv_codec.decode([present[1]] + ([present[3]] if scales else []), kv, self.v_scale)
 
         if layout == "concat":
             out = attend(q, k_all, v_all, mask_or_positions)

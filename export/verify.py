@@ -22,7 +22,7 @@ from kvforge.manifest import Manifest, ManifestError
 
 # Max abs logit difference allowed against PyTorch fp32, per KV dtype (measured on the presets
 # and the trained stdlib model; quantization error scales with the logit range).
-TOLERANCE = {"fp32": 1e-4, "fp16": 2e-2, "int8": 0.25, "int4": 1.5}
+TOLERANCE = {"fp32": 1e-4, "fp16": 2e-2, "int8": 0.25, "int8-static": 0.25, "int4": 1.5}
 PROMPT_LENGTHS = (13, 8, 3)
 
 

@@ -34,7 +34,9 @@ class KVDType:
     name: str
     storage: str  # numpy/ONNX element type of the cache tensor
     bits: int  # bits per cached element (int4 packs two per uint8)
-    scale: str  # "none" | "per-token" (one SCALE_STORAGE scale per token and head) | "per-tensor"
+    # "none" | "per-token" (one SCALE_STORAGE scale per token and head, stored beside the cache)
+    # | "per-channel" (static, calibrated at export, constants in the graph) | "per-tensor" (static)
+    scale: str
     runs_on: tuple[str, ...]
     note: str = ""
 
@@ -66,6 +68,10 @@ KV_DTYPES: dict[str, KVDType] = {
         KVDType("int8", "int8", 8, "per-token", ("onnxruntime",),
                 "symmetric, one fp16 scale per (token, head) computed when the token is written; "
                 f"ONNX Runtime only ({_TRT_QUANTIZED} and fixed Q/DQ scales)"),
+        KVDType("int8-static", "int8", 8, "per-channel", ("onnxruntime",),
+                "symmetric, one fp32 scale per layer, KV head and channel, calibrated at export on Python "
+                "standard library text and kept in the graph: the cache holds int8 alone (half of fp16); "
+                f"ONNX Runtime only ({_TRT_QUANTIZED})"),
         KVDType("int4", "uint8", 4, "per-token", ("onnxruntime",),
                 "symmetric 4-bit, two values packed per byte along head_dim, fp16 scale per (token, head); "
                 f"ONNX Runtime only ({_TRT_QUANTIZED})"),
@@ -79,8 +85,8 @@ FP8_SCALE = 1.0  # static per-tensor fp8 scale (uncalibrated): |K|,|V| of Llama-
 
 # Which KV dtypes each layout can emit; anything else is refused at the command line.
 LAYOUT_DTYPES = {
-    "concat": ("fp32", "fp16", "int8", "int4"),
-    "inplace": ("fp32", "fp16", "int8", "int4", "fp8"),
+    "concat": ("fp32", "fp16", "int8", "int8-static", "int4"),
+    "inplace": ("fp32", "fp16", "int8", "int8-static", "int4", "fp8"),
 }
 
 

@@ -79,7 +79,7 @@ def test_cache_and_layout_structure(quick_run):
 def test_kv_dtypes_peers_roofline_weights_serving_structure(quick_run):
     _, results, _ = quick_run
     kv = results["kv_dtypes"]
-    assert [r["kv_dtype"] for r in kv["measured"]] == ["fp32", "fp16", "int8", "int4"]
+    assert [r["kv_dtype"] for r in kv["measured"]] == ["fp32", "fp16", "int8", "int8-static", "int4"]
     for r in kv["measured"][1:]:
         assert {"perplexity", "perplexity_vs_fp32_percent", "teacher_forced_agreement",
                 "free_running_agreement", "step_time", "bytes_per_token"} <= r.keys()

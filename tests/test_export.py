@@ -106,6 +106,18 @@ def test_manifest_round_trip(exports):
     assert data["tokenizer"]["eos_token_ids"] == [2] and "tokenizer.json" in data["tokenizer"]["files"]
 
 
+def test_int8_static_keeps_only_int8_in_the_cache(exports):
+    """The calibrated scales live in the graph: no scale tensors, exactly half of fp16 per token."""
+    directory = exports("inplace", "int8-static")
+    manifest = Manifest.load(directory)
+    assert manifest.kv_bytes_per_token * 2 == kv_bytes_per_token(manifest.model, "fp16")
+    model = onnx.load(str(directory / "model.onnx"))
+    caches = [i for i in model.graph.input if i.name.startswith("past_key_values.")]
+    assert len(caches) == 2 * manifest.model.num_layers
+    assert all(i.type.tensor_type.elem_type == onnx.TensorProto.INT8 for i in caches)
+    assert manifest.source["kv_calibration"]["tokens"] == 2048
+
+
 def test_manifest_rejects_newer_format_and_garbage(tmp_path, exports):
     directory = tmp_path / "m"
     shutil.copytree(exports("inplace", "fp32"), directory)
@@ -132,6 +144,7 @@ def test_kv_size_classic_7b_case():
     # int8/int4 carry one fp16 scale per token and head
     assert kv_bytes_per_token(spec, "int8") == 2 * 32 * 32 * (128 + 2)
     assert kv_bytes_per_token(spec, "int4") == 2 * 32 * 32 * (64 + 2)
+    assert kv_bytes_per_token(spec, "int8-static") == 256 * 1024  # calibrated scales live in the graph
     assert kv_bytes_per_token(spec, "fp8") == 256 * 1024
 
 
