@@ -60,6 +60,54 @@ def genai_model(model_dir, threads: int):
     return og.Model(config)
 
 
+class GenAIGraphInOurSession:
+    """GenAI's exported graph stepped through kvforge's ONNX Runtime session settings and
+    IOBinding (past and present bound to one buffer, as GenAI shares them): separates what
+    GenAI's graph buys from what its runtime does around the same ONNX Runtime."""
+
+    def __init__(self, model_dir, threads: int):
+        import json
+
+        import onnxruntime as ort
+
+        from runtime.runner import session_options
+
+        decoder = json.loads((model_dir / "genai_config.json").read_text())["model"]["decoder"]
+        self.layers, self.kv_heads, self.head_dim = (decoder["num_hidden_layers"], decoder["num_key_value_heads"],
+                                                     decoder["head_size"])
+        self.session = ort.InferenceSession(str(model_dir / decoder["filename"]), session_options(threads),
+                                            providers=["CPUExecutionProvider"])
+
+    def steps(self, ids: np.ndarray, new_tokens: int) -> tuple[float, list[float]]:
+        from onnxruntime import OrtValue
+
+        rows, length = ids.shape
+        cache = [np.zeros((rows, self.kv_heads, length + new_tokens, self.head_dim), np.float32)
+                 for _ in range(2 * self.layers)]
+        values = [OrtValue.ortvalue_from_numpy(buffer) for buffer in cache]
+
+        def run(tokens: np.ndarray, total: int) -> np.ndarray:
+            binding = self.session.io_binding()
+            binding.bind_cpu_input("input_ids", np.ascontiguousarray(tokens, dtype=np.int64))
+            binding.bind_cpu_input("attention_mask", np.ones((rows, total), np.int64))
+            binding.bind_output("logits")
+            for i, value in enumerate(values):
+                name = f"{i // 2}.{('key', 'value')[i % 2]}"
+                binding.bind_ortvalue_input(f"past_key_values.{name}", value)
+                binding.bind_ortvalue_output(f"present.{name}", value)
+            self.session.run_with_iobinding(binding)
+            return binding.get_outputs()[0].numpy()[:, -1].argmax(-1)[:, None]
+
+        began = time.perf_counter()
+        token = run(ids, length)
+        prefill, steps = time.perf_counter() - began, []
+        for i in range(new_tokens - 1):
+            began = time.perf_counter()
+            token = run(token, length + i + 1)
+            steps.append(time.perf_counter() - began)
+        return prefill, steps
+
+
 def interleaved(systems: dict, ids: np.ndarray, new_tokens: int, rounds: int) -> dict:
     """Each system generates `rounds` times, taking turns, so load from elsewhere on a shared
     machine hits them alike. systems: name -> fn(ids, new_tokens) -> (prefill s, step s)."""
@@ -163,13 +211,15 @@ def run(params: Params, artifacts) -> dict:
     vocab = hf.config.vocab_size
     runners = {layout: open_runner(directory, params.threads) for layout, directory in exports.items()}
     genai = genai_model(genai_dir, params.threads)
+    genai_graph = GenAIGraphInOurSession(genai_dir, params.threads)
     fast = {**{f"kvforge_{layout}": (lambda ids, n, r=r: kvforge_steps(r, ids, n)) for layout, r in runners.items()},
-            "onnxruntime_genai": lambda ids, n: genai_steps(genai, ids, n)}
+            "onnxruntime_genai": lambda ids, n: genai_steps(genai, ids, n),
+            "genai_graph_in_kvforge_session": genai_graph.steps}
     rows_out = []
     for rows in params.batches:
         ids = prompts(vocab, rows, params.prompt_tokens)
-        say(f"peers: kvforge (in-place, concat) and onnxruntime-genai taking turns, batch {rows}, "
-            f"{params.peer_rounds} rounds")
+        say(f"peers: kvforge (in-place, concat), onnxruntime-genai and its graph in our session taking turns, "
+            f"batch {rows}, {params.peer_rounds} rounds")
         systems = interleaved(fast, ids, params.new_tokens, params.peer_rounds)
         say(f"peers: transformers generate() with cache, batch {rows}")
         systems["hf_generate_cache"] = hf_rate(hf, ids, params.hf_new_tokens, use_cache=True)
@@ -184,8 +234,9 @@ def run(params: Params, artifacts) -> dict:
         "optimum_ort_model_for_causal_lm": optimum_status(),
         "graphs": {"kvforge_inplace": graph_ops(exports["inplace"] / "model.onnx"),
                    "onnxruntime_genai": graph_ops(genai_dir / "model.onnx")},
-        "method": "decode tokens/s = batch / median decode step, prefill excluded; kvforge and "
-                  "onnxruntime-genai time every step and take turns for peer_rounds rounds; transformers "
+        "method": "decode tokens/s = batch / median decode step, prefill excluded; kvforge, onnxruntime-genai "
+                  "and genai_graph_in_kvforge_session (GenAI's model.onnx stepped through kvforge's session "
+                  "options and IOBinding) time every step and take turns for peer_rounds rounds; transformers "
                   "generate() is timed per token through a streamer (one generation)",
         "peer_rounds": params.peer_rounds,
         "units": {"decode_tokens_per_s": "tokens/s (all rows)", "decode_tokens_per_s_mean": "tokens/s (all rows)",

@@ -85,8 +85,8 @@ def test_kv_dtypes_peers_roofline_weights_serving_structure(quick_run):
                 "free_running_agreement", "step_time", "bytes_per_token"} <= r.keys()
     assert all("sequences_in_budget" in r for r in kv["bytes"]["benchmark_model"])
     systems = results["peers"]["results"][0]["systems"]
-    assert {"kvforge_inplace", "kvforge_concat", "onnxruntime_genai", "hf_generate_cache",
-            "hf_generate_no_cache"} <= systems.keys()
+    assert {"kvforge_inplace", "kvforge_concat", "onnxruntime_genai", "genai_graph_in_kvforge_session",
+            "hf_generate_cache", "hf_generate_no_cache"} <= systems.keys()
     assert "status" in results["peers"]["optimum_ort_model_for_causal_lm"]
     assert results["roofline"]["bandwidth_bytes_per_s"] and "percent_of_roofline" in results["roofline"]["headline"]
     weights = results["weights"]["results"]
