@@ -4,7 +4,7 @@ PYTHON_BOOT ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 
-# a 3.8M-parameter Llama trained on the Python standard library (bench/train.py): writes Python-ish text
+# a 1.8M-parameter Llama trained on the Python standard library (bench/train.py): writes Python-ish text
 MODEL ?= models/stdlib-llama
 KV_LAYOUT ?= inplace
 KV_DTYPE ?= fp32
