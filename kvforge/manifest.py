@@ -104,7 +104,7 @@ def check_layout_dtype(layout: str, dtype: str) -> None:
         raise ManifestError(
             f"KV dtype {dtype} is not available with the {layout} layout "
             f"(it supports {', '.join(LAYOUT_DTYPES[layout])}); fp8 is emitted only for the "
-            "inplace layout, for TensorRT on GPU hosts")
+            "inplace layout, in the Q/DQ form TensorRT would need")
 
 
 @dataclass(frozen=True)
