@@ -44,8 +44,8 @@ def stream_tests(threads: int) -> dict[str, tuple]:
 
 def matmul_test(threads: int) -> tuple:
     """ONNX Runtime's own MatMul of one row by a STREAM_BYTES fp32 weight: a decode step's
-    access pattern, and on this kind of CPU a faster reader than numpy's dot (so a bound set by
-    numpy alone would flatter the engine). Random weights: pages of one repeated value can be
+    access pattern. The bound takes whichever of this and numpy's dot reads faster, so neither
+    probe's weakness flatters the engine. Random weights: pages of one repeated value can be
     merged by the host (measured: a constant-filled weight "read" at 2.5x DRAM speed)."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper

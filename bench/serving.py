@@ -57,14 +57,14 @@ def own_cpu_seconds() -> float:
 
 
 def process_cpu_seconds(root_pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) of a process and of each of its children, from /proc (Linux):
-    {"root": s, "children": s} - for Triton the server and its python backend stubs."""
+    """CPU seconds (user + system) of a process and of its direct children together, from /proc
+    (Linux): {"root": s, "children": s} - for Triton the server and its python backend stubs."""
     tick, parents, seconds = os.sysconf("SC_CLK_TCK"), {}, {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            stat = open(f"/proc/{entry}/stat").read()
+            stat = Path(f"/proc/{entry}/stat").read_text()
         except OSError:  # exited meanwhile
             continue
         fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
