@@ -1,0 +1,17 @@
+"""What the HTTP front needs to know about the Triton server behind it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class FrontConfig:
+    triton_http: str  # Triton's private loopback HTTP address (host:port); /v2 is proxied there
+    triton_grpc: str  # Triton's gRPC address (host:port); the OpenAI API streams through it
+    model_repository: Path  # the served repository: the llm model's engine dir (tokenizer, chat template)
+    model: str = "llm"
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    api_key: str | None = None  # bearer key for /v1; the launcher requires one when binding beyond loopback
