@@ -23,7 +23,7 @@ def choose_backend(requested: str, manifest: Manifest, export_dir: Path) -> str:
                             f"{' or '.join(wanted) or 'any backend'}: {manifest.kv.note}")
     if requested == "onnxruntime" or "tensorrt" not in runs_on:
         return "onnxruntime"
-    from runtime.tensorrt_runner import missing_requirement
+    from kvforge.tensorrt_host import missing_requirement
 
     missing = missing_requirement()
     if requested == "tensorrt" and missing:

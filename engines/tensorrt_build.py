@@ -38,7 +38,7 @@ from onnx import TensorProto, helper, numpy_helper
 from engines import trt_ops
 from kvforge.cli import progress as cli_progress
 from kvforge.manifest import Manifest, ManifestError
-from runtime.tensorrt_runner import capturing_logger, missing_requirement, platform
+from kvforge.tensorrt_host import capturing_logger, missing_requirement, platform
 
 PLAN_FILE = "model.plan"
 PRECISIONS = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}

@@ -7,6 +7,7 @@ nowhere else. Pure Python: every stage, including a torch-free serving image, im
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -19,8 +20,12 @@ OPSET = 24  # TensorScatter (the in-place KV write) needs opset 24
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 KV_LAYOUTS = ("concat", "inplace")
-# Token granularity of KV bookkeeping (admission control, utilization); the paged layout will
-# use the same block size for its physical blocks.
+# Tokens per KV block: the unit the prefix cache hashes, stores and copies. Measured with
+# `python -m bench --sections prefix_cache` (copy_per_block, small-llama fp32, 2 busy cores):
+# copying a prefix in or out costs ~0.1-0.2% of the prefill it replaces at 16 tokens per block
+# and barely less at 64 (the copies are one gather per cache tensor, not one per block), while
+# 16 reuses up to 48 more tokens of every partial hit (the shared part of two prompts is cut at
+# a block boundary). So the smaller block wins; below 16 the hash chain's per-block cost grows.
 KV_BLOCK_TOKENS = 16
 MIN_CAPACITY = 64
 
@@ -39,10 +44,6 @@ class KVDType:
     scale: str
     runs_on: tuple[str, ...]
     note: str = ""
-
-    @property
-    def quantized(self) -> bool:
-        return self.scale != "none"
 
     @property
     def has_scale_tensors(self) -> bool:
@@ -172,10 +173,6 @@ def kv_bytes(spec: ModelSpec, dtype: str, tokens: int, batch: int = 1) -> int:
     return kv_bytes_per_token(spec, dtype) * tokens * batch
 
 
-def kv_blocks(tokens: int) -> int:
-    return -(-tokens // KV_BLOCK_TOKENS)
-
-
 def capacity_bucket(tokens: int, max_seq_len: int) -> int:
     """Smallest power-of-two capacity (at least MIN_CAPACITY) holding `tokens`, capped at max_seq_len.
 
@@ -232,6 +229,11 @@ def io_tensors(spec: ModelSpec, layout: str, dtype: str) -> tuple[list[TensorSpe
     return inputs, outputs
 
 
+def kv_buffer_shape(tensor: TensorSpec, rows: int, length: int) -> tuple[int, int, int, int]:
+    """Shape of a runtime buffer for a cache tensor: [rows, kv_heads, length, D or 1]."""
+    return (rows, tensor.shape[1], length, tensor.shape[3])
+
+
 def kv_pairs(spec: ModelSpec, dtype: str) -> list[tuple[str, str]]:
     """(input name, output name) of every cache tensor: the aliases of the inplace layout."""
     d = kv_dtype(dtype)
@@ -240,6 +242,50 @@ def kv_pairs(spec: ModelSpec, dtype: str) -> list[tuple[str, str]]:
         pairs += list(zip(kv_tensor_names(i, "past_key_values", d.has_scale_tensors),
                           kv_tensor_names(i, "present", d.has_scale_tensors)))
     return pairs
+
+
+# ---------------------------------------------------------------- KV blocks and their namespace
+
+@dataclass(frozen=True)
+class KVBlockSpec:
+    """One KV block: `tokens` consecutive positions of every cache tensor (K, V and, for per-token
+    quantized caches, their scales), exactly as a runtime slot holds them. `tensors` are the
+    past_key_values.* inputs in graph order; block_shape(name) is one block of that tensor."""
+
+    tokens: int
+    tensors: tuple[TensorSpec, ...]
+
+    def block_shape(self, name: str) -> tuple[int, int, int]:
+        tensor = next(t for t in self.tensors if t.name == name)
+        return (tensor.shape[1], self.tokens, tensor.shape[3])
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.tensors)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return sum(math.prod(self.block_shape(t.name)) * ITEMSIZE[t.dtype] for t in self.tensors)
+
+
+ITEMSIZE = {"float32": 4, "float16": 2, "int8": 1, "uint8": 1, "float8e4m3fn": 1}
+
+
+def kv_block_spec(manifest: "Manifest", tokens: int = KV_BLOCK_TOKENS) -> KVBlockSpec:
+    pasts = {past for past, _ in kv_pairs(manifest.model, manifest.kv_dtype)}
+    return KVBlockSpec(tokens, tuple(t for t in manifest.io()[0] if t.name in pasts))
+
+
+def cache_namespace(manifest: "Manifest", block_tokens: int = KV_BLOCK_TOKENS) -> bytes:
+    """What makes two K/V blocks of the same tokens interchangeable: the checkpoint's bytes (and
+    the KV calibration made from it), the engine's weight quantization and backend (int8/int4
+    weights produce different K/V), the KV dtype and layout, the block size and the format.
+    A digest, so keys are the same in every process and on every replica."""
+    source = {k: v for k, v in manifest.source.items() if k != "path"}  # the same checkpoint anywhere
+    facts = {"source": source, "weights": manifest.engine.get("weights", "fp32"),
+             "backend": manifest.engine.get("backend", "onnxruntime"), "kv_dtype": manifest.kv_dtype,
+             "kv_layout": manifest.kv_layout, "block_tokens": block_tokens, "format_version": FORMAT_VERSION}
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).digest()
 
 
 # ---------------------------------------------------------------- the manifest

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvforge.manifest import KV_BLOCK_TOKENS, Manifest, kv_blocks
+from kvforge.manifest import Manifest
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 MAX_SLOTS = 32
@@ -24,7 +24,8 @@ class Limits:
     max_seq_len: int
     vocab_size: int
     slots: int  # sequences decoding at once, each owning a KV slot
-    kv_blocks: int  # KV tokens admission may promise, in blocks of KV_BLOCK_TOKENS
+    kv_cache_bytes: int  # the runner's slot buffers never hold more
+    kv_bytes_per_token: int
     max_waiting: int
     score_rows: int  # sequences per step-model batch
 
@@ -34,7 +35,8 @@ class Limits:
 
     @property
     def kv_tokens(self) -> int:
-        return self.kv_blocks * KV_BLOCK_TOKENS
+        """Tokens the slot buffers hold in all: one sequence's promise can be at most this."""
+        return self.kv_cache_bytes // self.kv_bytes_per_token
 
     @classmethod
     def from_manifest(cls, manifest: Manifest, slots: int | None = None, max_waiting: int | None = None,
@@ -47,10 +49,8 @@ class Limits:
             slots = max(1, min(MAX_SLOTS, engine_rows, kv_cache_bytes // per_slot))
         if not 0 < slots <= engine_rows:
             raise ValueError(f"slots must be in 1..{engine_rows}, got {slots}")
-        blocks = min(kv_cache_bytes // (manifest.kv_bytes_per_token * KV_BLOCK_TOKENS),
-                     slots * kv_blocks(manifest.max_seq_len))
         vocab = manifest.model.vocab_size
         return cls(max_seq_len=manifest.max_seq_len, vocab_size=vocab, slots=slots,
-                   kv_blocks=max(1, blocks),
+                   kv_cache_bytes=kv_cache_bytes, kv_bytes_per_token=manifest.kv_bytes_per_token,
                    max_waiting=max_waiting if max_waiting is not None else WAITING_PER_SLOT * slots,
                    score_rows=max(1, min(slots, SCORE_LOGITS_BYTES // (manifest.max_seq_len * vocab * 4))))

@@ -4,6 +4,7 @@
     request_id = engine.submit("def f(x):", SamplingParams(max_tokens=32), on_output=print)
     engine.cancel(request_id)
     outputs = engine.generate(["a", "b"], SamplingParams(max_tokens=8))  # one merged output each
+    engine.clear_prefix_cache()  # the operator's reset; outputs say how many prompt tokens were cached
 
 `on_output` runs on the engine thread: it must only hand the output on (e.g. to a queue).
 """
@@ -15,8 +16,8 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from kvforge.manifest import Manifest, ManifestError
-from runtime.block_manager import BlockManager
+from kvforge.manifest import Manifest, ManifestError, cache_namespace
+from runtime.kv_manager import MAX_CACHE_SALT_BYTES, HostBlockPool, KVManager, default_kv_host_bytes
 from runtime.limits import DEFAULT_KV_CACHE_BYTES, Limits
 from runtime.runner import open_runner
 from runtime.sampling import RequestError, SamplingParams
@@ -33,7 +34,9 @@ Prompt = str | list[int]
 class LLMEngine:
     def __init__(self, engine_dir: Path | str, *, slots: int | None = None, max_waiting: int | None = None,
                  kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, prefill_tokens: int = PREFILL_TOKENS,
-                 threads: int | None = None):
+                 threads: int | None = None, prefix_cache: bool = True, kv_host_bytes: int | None = None):
+        """prefix_cache: reuse the KV of repeated prompt prefixes from a host RAM pool of
+        kv_host_bytes (default: a quarter of RAM, at most 8 GiB)."""
         engine_dir = Path(engine_dir)
         manifest = Manifest.load(engine_dir)
         if manifest.kv_layout != "inplace":
@@ -43,8 +46,13 @@ class LLMEngine:
         self.limits = Limits.from_manifest(manifest, slots, max_waiting, kv_cache_bytes)
         self.tokenizer = Tokenizer(engine_dir, manifest)
         self.runner = open_runner(engine_dir, threads)
-        self.scheduler = Scheduler(self.runner, BlockManager(self.limits.kv_blocks, self.limits.slots),
-                                   self.limits.max_waiting, prefill_tokens)
+        kv_host_bytes = default_kv_host_bytes() if kv_host_bytes is None else kv_host_bytes
+        if kv_host_bytes < 0:
+            raise ValueError(f"kv_host_bytes must be >= 0, got {kv_host_bytes}")
+        pool = HostBlockPool(self.runner.block, kv_host_bytes) if prefix_cache else None
+        self.kv = KVManager(self.runner, self.limits.slots, self.limits.kv_cache_bytes, pool,
+                            cache_namespace(manifest))
+        self.scheduler = Scheduler(self.runner, self.kv, self.limits.max_waiting, prefill_tokens)
         self._ids = itertools.count(1)
         self._cond = threading.Condition()
         self._closed = False
@@ -54,10 +62,14 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None,
-               on_output: Callable[[RequestOutput], None] | None = None) -> int:
-        """Queue a request; returns its id. Raises RequestError (QueueFullError when saturated)."""
+               on_output: Callable[[RequestOutput], None] | None = None, *,
+               cache_salt: bytes | None = None) -> int:
+        """Queue a request; returns its id. Raises RequestError (QueueFullError when saturated).
+        cache_salt: the request shares cached prefixes only with requests of the same salt."""
         params = params or SamplingParams()
         params.validate()
+        if cache_salt is not None and (not isinstance(cache_salt, bytes) or len(cache_salt) > MAX_CACHE_SALT_BYTES):
+            raise RequestError(f"cache_salt must be at most {MAX_CACHE_SALT_BYTES} bytes")
         ids = self._prompt_ids(prompt)
         limit = self.limits.max_seq_len
         if len(ids) >= limit:
@@ -68,10 +80,12 @@ class LLMEngine:
                                f"the context of {limit} tokens; ask for at most {limit - len(ids)} tokens")
         seq = Sequence(next(self._ids), ids, params, on_output or (lambda out: None),
                        IncrementalDetokenizer(self.tokenizer, ids),
-                       frozenset(self.tokenizer.eos_token_ids) | frozenset(params.stop_token_ids))
-        if not self.scheduler.blocks.fits_ever(seq):
-            raise RequestError(f"the request needs {seq.max_tokens_total} KV tokens but the cache holds "
-                               f"{self.limits.kv_tokens}; lower max_tokens or shorten the prompt")
+                       frozenset(self.tokenizer.eos_token_ids) | frozenset(params.stop_token_ids),
+                       cache_salt=cache_salt or None)
+        if not self.kv.fits_ever(seq):
+            raise RequestError(f"the request needs {self.runner.bucket_for(seq.max_tokens_total)} KV tokens "
+                               f"(its capacity bucket) but the cache holds {self.limits.kv_tokens}; "
+                               "lower max_tokens or shorten the prompt")
         with self._cond:
             if self._closed:
                 raise RequestError("the engine is shut down")
@@ -129,10 +143,12 @@ class LLMEngine:
         with self._cond:
             s = self.scheduler
             return dict(running=len(s.running), waiting=len(s.waiting), slots=self.limits.slots,
-                        kv_utilization=s.blocks.utilization,
-                        kv_reserved=s.blocks.reserved / s.blocks.num_blocks,
-                        kv_bytes_allocated=self.runner.kv_bytes_allocated, capacity=self.runner.capacity,
-                        **s.counters)
+                        prefix_cache=self.kv.pool is not None, **self.kv.stats(), **s.counters)
+
+    def clear_prefix_cache(self) -> int:
+        """Forget every cached prefix block (running requests are unaffected); returns how many."""
+        with self._cond:
+            return self.kv.clear()
 
     # ------------------------------------------------------------------ the step loop
 

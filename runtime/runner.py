@@ -1,8 +1,4 @@
-"""The runtime's view of an engine: one step of the decoder over a batch of KV slots.
-
-A Runner owns the KV buffers for `slots` sequences. Active sequences occupy rows 0..rows-1
-(the scheduler keeps them packed with `move`), so every step binds a contiguous prefix of
-each buffer: no gather, no copy. Implementations:
+"""The ONNX Runtime runners and `open_runner`, which picks a runner from an engine's manifest.
 
 - OrtInplaceRunner: fixed-capacity buffers, the same memory bound as past input and present
   output through IOBinding, so ONNX Runtime's TensorScatter writes the new K/V in place.
@@ -10,64 +6,19 @@ each buffer: no gather, no copy. Implementations:
 - OrtConcatRunner: the Optimum-style layout, present = concat(past, new), for comparison.
 - TensorRTRunner (runtime/tensorrt_runner.py): the in-place layout on a GPU.
 
-`open_runner(engine_dir)` picks the implementation from the manifest.
+The interface they share is runtime/runner_api.py.
 """
 from __future__ import annotations
 
 import os
-from abc import ABC, abstractmethod
 from pathlib import Path
 
 import numpy as np
 
-from kvforge.manifest import Manifest, ManifestError, capacity_bucket, kv_pairs
+from kvforge.manifest import Manifest, ManifestError, kv_buffer_shape, kv_pairs
+from runtime.runner_api import Blocks, Runner, as_blocks, as_tokens
 
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "uint8": np.uint8}
-
-
-class Runner(ABC):
-    """allocate -> step* (with move/resize between steps); the KV cache never leaves the runner."""
-
-    def __init__(self, manifest: Manifest):
-        self.manifest = manifest
-        self.slots = 0
-        self.capacity = 0
-
-    @abstractmethod
-    def allocate(self, slots: int, capacity: int) -> None:
-        """(Re)create empty KV buffers for `slots` sequences of up to `capacity` tokens."""
-
-    @abstractmethod
-    def step(self, input_ids: np.ndarray, write_positions: np.ndarray, num_new: np.ndarray) -> np.ndarray:
-        """Run rows 0..len(input_ids)-1: input_ids [rows, S] (right-padded), write_positions [rows]
-        (tokens already cached per row), num_new [rows] (real tokens per row, <= S).
-        Returns logits [rows, S, vocab] float32; row b's cache now holds write_positions[b] + num_new[b]."""
-
-    @abstractmethod
-    def move(self, src: int, dst: int, length: int) -> None:
-        """Copy the first `length` cached tokens of slot src into slot dst (keeps rows packed)."""
-
-    @abstractmethod
-    def resize(self, capacity: int, rows: int) -> None:
-        """Change capacity keeping the cached tokens of rows 0..rows-1 (up to the new capacity)."""
-
-    @property
-    @abstractmethod
-    def kv_bytes_allocated(self) -> int:
-        """Bytes held by KV buffers right now."""
-
-    def bucket_for(self, tokens: int) -> int:
-        return capacity_bucket(tokens, self.manifest.max_seq_len)
-
-    def check_step(self, input_ids: np.ndarray, write_positions: np.ndarray, num_new: np.ndarray) -> None:
-        rows, seq = input_ids.shape
-        if rows > self.slots:
-            raise ValueError(f"{rows} rows exceed the {self.slots} allocated slots")
-        if write_positions.shape != (rows,) or num_new.shape != (rows,):
-            raise ValueError("write_positions and num_new need one entry per row")
-        needed = int((write_positions + seq).max())
-        if needed > self.capacity:
-            raise ValueError(f"step needs {needed} cache positions but capacity is {self.capacity}; resize first")
 
 
 def session_options(threads: int | None = None):
@@ -95,12 +46,12 @@ class _OrtRunner(Runner):
         except Exception as e:  # ORT raises its own exception types for unreadable models
             raise ManifestError(f"cannot load engine {onnx_path}: {str(e).splitlines()[0][:300]}") from None
         inputs, _ = manifest.io()
+        self.specs = {t.name: t for t in inputs}
         self.dtypes = {t.name: NUMPY_DTYPES.get(t.dtype) for t in inputs}
         self.pairs = kv_pairs(manifest.model, manifest.kv_dtype)
 
     def _buffer_shape(self, past_name: str, rows: int, length: int) -> tuple[int, ...]:
-        spec = next(t for t in self.manifest.io()[0] if t.name == past_name)
-        return (rows, spec.shape[1], length, spec.shape[3])
+        return kv_buffer_shape(self.specs[past_name], rows, length)
 
 
 class OrtInplaceRunner(_OrtRunner):
@@ -132,14 +83,27 @@ class OrtInplaceRunner(_OrtRunner):
         for buf in self.buffers.values():
             buf[dst, :, :length] = buf[src, :, :length]
 
-    def resize(self, capacity, rows):
-        if capacity == self.capacity:
+    def resize(self, capacity, rows, slots=None):
+        slots = self.slots if slots is None else slots
+        if capacity == self.capacity and slots == self.slots:
             return
+        if rows > slots:
+            raise ValueError(f"cannot keep {rows} rows in {slots} slots")
         keep = min(capacity, self.capacity)
         old = self.buffers
-        self.allocate(self.slots, capacity)
+        self.allocate(slots, capacity)
         for name, buf in self.buffers.items():
             buf[:rows, :, :keep] = old[name][:rows, :, :keep]
+
+    def read_blocks(self, row, start, n) -> Blocks:
+        lo, hi = self.block_range(start, n)
+        return {name: as_blocks(buf[row, :, lo:hi], n, self.block.tokens) for name, buf in self.buffers.items()}
+
+    def write_blocks(self, row, start, data: Blocks) -> None:
+        n = len(next(iter(data.values())))
+        lo, hi = self.block_range(start, n)
+        for name, buf in self.buffers.items():
+            buf[row, :, lo:hi] = as_tokens(data[name], hi - lo)
 
     @property
     def kv_bytes_allocated(self):
@@ -197,7 +161,9 @@ class OrtConcatRunner(_OrtRunner):
             buf[dst] = buf[src]
         self.mask[dst] = self.mask[src]
 
-    def resize(self, capacity, rows):
+    def resize(self, capacity, rows, slots=None):
+        if slots not in (None, self.slots):
+            raise ValueError("the concat runner keeps its slot count; allocate again to change it")
         if self.mask.shape[1] > capacity:
             raise ValueError(f"concat cache holds {self.mask.shape[1]} columns, more than {capacity}")
         self.capacity = capacity

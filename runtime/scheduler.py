@@ -1,4 +1,5 @@
-"""Continuous batching over the runner's KV slots.
+"""Continuous batching over the runner's KV slots: the policy of what runs next. The KV manager
+(runtime/kv_manager.py) moves rows, sizes buffers and copies prefix-cache blocks in and out.
 
 Running sequences occupy runner rows 0..n-1 (`running[i]` is row i). Between steps, finished
 and cancelled sequences leave (the last row moves into the hole) and waiting ones join. Every
@@ -20,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.block_manager import BlockManager
-from runtime.runner import Runner
+from runtime.kv_manager import KVManager
+from runtime.runner_api import Runner
 from runtime.sampling import RequestError, sample
 from runtime.sequence import RequestOutput, Sequence, Status
 
@@ -44,10 +45,10 @@ class Batch:
 class Scheduler:
     """Not thread-safe: the engine serializes calls (schedule and postprocess under its lock)."""
 
-    def __init__(self, runner: Runner, blocks: BlockManager, max_waiting: int,
+    def __init__(self, runner: Runner, kv: KVManager, max_waiting: int,
                  prefill_tokens: int = PREFILL_TOKENS):
         self.runner = runner
-        self.blocks = blocks
+        self.kv = kv
         self.max_waiting = max_waiting
         self.prefill_tokens = prefill_tokens
         self.waiting: deque[Sequence] = deque()
@@ -57,8 +58,7 @@ class Scheduler:
         self.last_kind = "decode"
         self.counters = dict(steps=0, prefill_steps=0, decode_steps=0, mixed_steps=0, max_rows=0,
                              multi_row_steps=0, prompt_tokens=0, generated_tokens=0, finished=0,
-                             cancelled=0, resizes=0)
-        runner.allocate(blocks.num_slots, runner.bucket_for(1))
+                             cancelled=0, prefix_waits=0)
 
     def add(self, seq: Sequence) -> None:
         if len(self.waiting) >= self.max_waiting:
@@ -78,11 +78,20 @@ class Scheduler:
     # ------------------------------------------------------------------ before a step
 
     def schedule(self) -> tuple[list[tuple[Sequence, RequestOutput]], Batch | None]:
-        """Apply cancellations, admit what fits, and pick the next step (None when idle)."""
+        """Apply cancellations, admit what fits, and pick the next step (None when idle).
+        Admission is first come, first served, except that a request whose prefix a running
+        sequence is computing right now lets the ones behind it go first and waits for it."""
         outputs = [(seq, self._cancel(seq)) for seq in map(self.requests.get, self.cancelled) if seq]
         self.cancelled.clear()
-        while self.waiting and self.blocks.can_admit(self.waiting[0]):
-            self._place(self.waiting.popleft())
+        for seq in list(self.waiting):
+            hit, wait = self.kv.match(seq)
+            if wait:
+                self.counters["prefix_waits"] += 1
+                continue
+            if not self.kv.can_admit(seq, self.running):
+                break
+            self.waiting.remove(seq)
+            self._place(seq, hit)
         return outputs, (self._next_batch() if self.running else None)
 
     def _cancel(self, seq: Sequence) -> RequestOutput:
@@ -95,18 +104,20 @@ class Scheduler:
         self.counters["cancelled"] += 1
         return seq.finish("cancelled")
 
-    def _place(self, seq: Sequence) -> None:
+    def _place(self, seq: Sequence, hit: list[int]) -> None:
         """Append seq as a row, swapping it in front of the first decoding row."""
-        self.blocks.admit(seq)
         seq.status = Status.RUNNING
+        self.kv.make_room(len(self.running) + 1)
         row = next((i for i, s in enumerate(self.running) if s.pending == 1), None)
         if row is None:
+            row = len(self.running)
             self.running.append(seq)
-            return
-        decoding = self.running[row]
-        self.runner.move(row, len(self.running), decoding.num_cached)
-        self.running.append(decoding)
-        self.running[row] = seq
+        else:
+            decoding = self.running[row]
+            self.kv.move(row, len(self.running), decoding.num_cached)
+            self.running.append(decoding)
+            self.running[row] = seq
+        self.kv.admit(seq, row, hit, len(self.running))
 
     def _next_batch(self) -> Batch:
         pending = [s.pending for s in self.running]
@@ -125,10 +136,7 @@ class Scheduler:
         seqs = self.running[:rows]
         width = min(width, min(self.runner.manifest.max_seq_len - s.num_cached for s in seqs))
         cached = np.array([s.num_cached for s in seqs], np.int64)
-        needed = int(cached.max()) + width
-        if needed > self.runner.capacity:
-            self.runner.resize(self.runner.bucket_for(needed), len(self.running))
-            self.counters["resizes"] += 1
+        self.kv.fit_capacity(int(cached.max()) + width, len(self.running))
         input_ids = np.zeros((rows, width), np.int64)
         num_new = np.minimum([s.pending for s in seqs], width)
         for b, s in enumerate(seqs):
@@ -149,7 +157,7 @@ class Scheduler:
         outputs = []
         for b, seq in enumerate(self.running[:rows]):
             seq.num_cached += int(batch.num_new[b])
-            self.blocks.grow(seq, seq.num_cached)
+            self.kv.store(seq, b)
             if seq.num_cached <= seq.num_prompt:
                 self.counters["prompt_tokens"] += int(batch.num_new[b])
             if seq.pending:
@@ -187,15 +195,11 @@ class Scheduler:
     def _remove(self, row: int) -> None:
         seq, last = self.running[row], len(self.running) - 1
         if row != last:
-            self.runner.move(last, row, self.running[last].num_cached)
+            self.kv.move(last, row, self.running[last].num_cached)
             self.running[row] = self.running[last]
         self.running.pop()
-        self.blocks.release(seq)
+        self.kv.release(seq)
         del self.requests[seq.request_id]
 
     def _shrink(self) -> None:
-        longest = max((s.num_cached + 1 for s in self.running), default=1)
-        target = self.runner.bucket_for(longest)
-        if target < self.runner.capacity:
-            self.runner.resize(target, len(self.running))
-            self.counters["resizes"] += 1
+        self.kv.shrink(self.running)

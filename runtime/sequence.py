@@ -1,7 +1,6 @@
 """One request's state: its tokens, how many are in the KV cache, its text stream and its end."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
@@ -30,12 +29,13 @@ class RequestOutput:
     error: str | None = None
     prompt_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
     def merge(self, later: "RequestOutput") -> "RequestOutput":
         """This output followed by the request's next one, as a single output."""
         return RequestOutput(self.request_id, self.text + later.text, self.token_ids + later.token_ids,
                              later.finished, later.finish_reason, later.error, later.prompt_tokens,
-                             later.output_tokens)
+                             later.output_tokens, later.cached_tokens)
 
 
 @dataclass
@@ -47,11 +47,14 @@ class Sequence:
     detokenizer: IncrementalDetokenizer
     stop_token_ids: frozenset[int]
     status: Status = Status.WAITING
-    num_cached: int = 0  # leading tokens whose K/V are in the cache
-    block_table: list[int] = field(default_factory=list)
-    reserved_blocks: int = 0
+    cache_salt: bytes | None = None  # mixed into the prefix cache's hash chain: shares only with the same salt
+    num_cached: int = 0  # leading tokens whose K/V are in the runner's slot
+    cached_tokens: int = 0  # of those, prompt tokens copied in from the prefix cache
+    block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of its full blocks so far
+    pool_blocks: list[int] = field(default_factory=list)  # host pool blocks it holds a reference on
+    num_stored_blocks: int = 0  # leading full blocks that are in the pool
+    stores_blocks: bool = True
     finish_reason: str | None = None
-    arrived: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self):
         self.tokens = list(self.prompt_ids)
@@ -108,6 +111,7 @@ class Sequence:
 
     def _output(self, upto: int) -> RequestOutput:
         out = RequestOutput(self.request_id, self.text[self.sent_chars:upto], self.unsent_ids,
-                            prompt_tokens=self.num_prompt, output_tokens=self.num_output)
+                            prompt_tokens=self.num_prompt, output_tokens=self.num_output,
+                            cached_tokens=self.cached_tokens)
         self.sent_chars, self.unsent_ids = upto, []
         return out

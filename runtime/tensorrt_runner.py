@@ -9,95 +9,14 @@ step binds the base address with a smaller batch, as the ONNX Runtime runner doe
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 
-from kvforge.manifest import Manifest, ManifestError, kv_pairs
-from runtime.runner import Runner
-
-ITEMSIZE = {"float32": 4, "float16": 2, "int8": 1, "uint8": 1, "float8e4m3fn": 1}
-REBUILD = "rebuild it on this host with `python -m engines build EXPORT_DIR --backend tensorrt`"
-
-
-def missing_requirement() -> str | None:
-    """None when TensorRT imports and a CUDA GPU is visible; otherwise one line naming what is missing."""
-    missing = []
-    try:
-        import tensorrt  # noqa: F401
-    except ImportError:
-        missing.append("TensorRT is not installed (pip package tensorrt; needs NVIDIA's index)")
-    except OSError as e:  # the wheel is there but libnvinfer or the CUDA libraries are not
-        missing.append(f"TensorRT does not load ({e})")
-    try:
-        from cuda.bindings import runtime as cudart
-    except ImportError:
-        missing.append("cuda-python is not installed (pip package cuda-python), so no CUDA GPU can be used")
-    else:
-        err, count = cudart.cudaGetDeviceCount()
-        if err != cudart.cudaError_t.cudaSuccess or not count:
-            missing.append(f"no CUDA GPU visible ({cudart.cudaGetErrorString(err)[1].decode()})")
-    return "; ".join(missing) or None
-
-
-def cuda(result):
-    """cuda-python returns (error, *values): raise on an error, else return the value."""
-    from cuda.bindings import runtime as cudart
-
-    err, *values = result
-    if err != cudart.cudaError_t.cudaSuccess:
-        raise RuntimeError(f"CUDA {err.name}: {cudart.cudaGetErrorString(err)[1].decode()}")
-    return values[0] if values else None
-
-
-def platform() -> dict:
-    """What a plan is tied to: the TensorRT version and the GPU it was built on."""
-    import tensorrt as trt
-    from cuda.bindings import runtime as cudart
-
-    props = cuda(cudart.cudaGetDeviceProperties(cuda(cudart.cudaGetDevice())))
-    name = props.name.decode() if isinstance(props.name, bytes) else str(props.name)
-    return {"tensorrt_version": trt.__version__, "compute_capability": f"{props.major}.{props.minor}",
-            "gpu_name": name.rstrip("\x00")}
-
-
-def check_engine_match(recorded: dict, running: dict) -> None:
-    """A plan only deserializes on the TensorRT version and GPU architecture that built it
-    ("Version tag does not match" otherwise); say so with both sides named instead."""
-    for key, what in (("tensorrt_version", "TensorRT"), ("compute_capability", "GPU compute capability")):
-        if recorded.get(key) != running[key]:
-            raise ManifestError(f"the engine was built with {what} {recorded.get(key) or '(not recorded)'} "
-                                f"but this host has {what} {running[key]}; {REBUILD}")
-
-
-def read_plan(path: Path) -> bytes:
-    try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        raise ManifestError(f"TensorRT plan {path} is missing; {REBUILD}") from None
-    except OSError as e:
-        raise ManifestError(f"cannot read TensorRT plan {path}: {e.strerror}") from None
-    if not data:
-        raise ManifestError(f"TensorRT plan {path} is empty (an interrupted build?); {REBUILD}")
-    return data
-
-
-def capturing_logger(trt):
-    """A TensorRT logger that keeps the errors, so a refusal can quote them."""
-
-    class Logger(trt.ILogger):
-        def __init__(self):
-            trt.ILogger.__init__(self)
-            self.errors: list[str] = []
-
-        def log(self, severity, msg):
-            if severity in (trt.ILogger.Severity.INTERNAL_ERROR, trt.ILogger.Severity.ERROR):
-                self.errors.append(msg)
-            elif severity == trt.ILogger.Severity.WARNING:
-                print(f"[tensorrt] {msg}", file=sys.stderr)
-
-    return Logger()
+from kvforge.manifest import ITEMSIZE, Manifest, ManifestError, kv_buffer_shape, kv_pairs
+from kvforge.tensorrt_host import capturing_logger, check_engine_match, cuda, missing_requirement, platform, \
+    read_plan
+from runtime.runner_api import Blocks, Runner, as_blocks, as_tokens
 
 
 class TensorRTRunner(Runner):
@@ -138,8 +57,7 @@ class TensorRTRunner(Runner):
         return self.plan_capacity
 
     def _shape(self, name: str, rows: int) -> tuple[int, ...]:
-        spec = self.specs[name]
-        return (rows, spec.shape[1], self.plan_capacity, spec.shape[3])
+        return kv_buffer_shape(self.specs[name], rows, self.plan_capacity)
 
     def _device(self, name: str, nbytes: int) -> int:
         """The device buffer `name` of at least nbytes (reallocated only to grow)."""
@@ -212,8 +130,56 @@ class TensorRTRunner(Runner):
                                                self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice, self.stream))
         cuda(self.cudart.cudaStreamSynchronize(self.stream))
 
-    def resize(self, capacity, rows):
+    def resize(self, capacity, rows, slots=None):
         self.bucket_for(capacity)  # every slot already holds the plan's capacity
+        if slots in (None, self.slots):
+            return
+        kept = {past: self.read_rows(past, rows) for past, _ in self.pairs}
+        self.allocate(slots, capacity)
+        for past, host in kept.items():
+            self._copy(host.ctypes.data, self.buffers[past][0], host.nbytes, "cudaMemcpyHostToDevice")
+        cuda(self.cudart.cudaStreamSynchronize(self.stream))
+
+    def _copy(self, dst: int, src: int, nbytes: int, kind: str) -> None:
+        cuda(self.cudart.cudaMemcpyAsync(dst, src, nbytes, getattr(self.cudart.cudaMemcpyKind, kind), self.stream))
+
+    def read_rows(self, past: str, rows: int) -> np.ndarray:
+        host = np.empty(self._shape(past, rows), np.dtype(self.specs[past].dtype))
+        self._copy(host.ctypes.data, self.buffers[past][0], host.nbytes, "cudaMemcpyDeviceToHost")
+        cuda(self.cudart.cudaStreamSynchronize(self.stream))
+        return host
+
+    def _token_span(self, past: str, row: int, lo: int, hi: int):
+        """(device address of position lo of the row's first head, pitch between heads, bytes, heads)."""
+        _, heads, capacity, width = self._shape(past, 1)
+        token = width * ITEMSIZE[self.specs[past].dtype]
+        base = self.buffers[past][0] + row * heads * capacity * token
+        return base + lo * token, capacity * token, (hi - lo) * token, heads
+
+    def read_blocks(self, row, start, n) -> Blocks:
+        """One 2D device-to-host copy per tensor: positions lo..hi of each of the row's heads."""
+        lo, hi = self.block_range(start, n)
+        out = {}
+        for past, _ in self.pairs:
+            src, pitch, width, heads = self._token_span(past, row, lo, hi)
+            host = np.empty((heads, hi - lo, self._shape(past, 1)[3]), np.dtype(self.specs[past].dtype))
+            cuda(self.cudart.cudaMemcpy2DAsync(host.ctypes.data, width, src, pitch, width, heads,
+                                               self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream))
+            out[past] = host
+        cuda(self.cudart.cudaStreamSynchronize(self.stream))
+        return {past: as_blocks(host, n, self.block.tokens) for past, host in out.items()}
+
+    def write_blocks(self, row, start, data: Blocks) -> None:
+        n = len(next(iter(data.values())))
+        lo, hi = self.block_range(start, n)
+        staged = []  # the host arrays must live until the stream has read them
+        for past, _ in self.pairs:
+            dst, pitch, width, heads = self._token_span(past, row, lo, hi)
+            host = np.ascontiguousarray(as_tokens(data[past], hi - lo))
+            staged.append(host)
+            cuda(self.cudart.cudaMemcpy2DAsync(dst, pitch, host.ctypes.data, width, width, heads,
+                                               self.cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, self.stream))
+        cuda(self.cudart.cudaStreamSynchronize(self.stream))
 
     @property
     def kv_bytes_allocated(self):

@@ -1,0 +1,316 @@
+"""KV memory, in real bytes: the runner's slot buffers and a host RAM pool of KV blocks that
+makes repeated prompt prefixes free (automatic prefix caching).
+
+Slot buffers. Running sequences occupy runner rows 0..n-1; the runner allocates `rows x
+capacity` and this manager keeps that within `kv_cache_bytes`: a sequence is admitted only if
+the rows (a power of two, at most `slots`) at the capacity bucket of the longest promise
+(prompt + max_tokens) still fit. Nothing then needs preempting, and utilization is what the
+process really holds over the budget.
+
+Block pool. A block is KV_BLOCK_TOKENS positions of every cache tensor, exactly as the slot
+holds them (int8/int4 scales included; kvforge.manifest.KVBlockSpec). Full blocks are named by a
+hash chain, blake2b(parent hash, the block's token ids), whose root is the cache namespace
+(model, weights, KV dtype, layout, block size, format) and an optional per-request salt, so
+the names are the same in every process and a salted request never meets another tenant's
+blocks. Block ids are rows of per-tensor host arrays sized by `--kv-host-bytes`. A running
+sequence holds a reference on the blocks it loaded or stored; blocks nobody references stay
+cached and are evicted least recently released first (a sequence releases its tail first, so a
+shared head outlives the tails). Identical blocks are stored once.
+
+On admission the longest cached prefix of full blocks (never the last prompt token: its logits
+are needed) is copied into the row, and prefill starts after it. A request whose next blocks are
+being computed by a running sequence waits for them instead of computing them again.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections import OrderedDict
+
+import numpy as np
+
+from kvforge.manifest import KVBlockSpec
+from runtime.runner_api import Blocks, Runner
+from runtime.sequence import Sequence
+
+HASH_BYTES = 16  # 128-bit names: no collision between the blocks of any realistic cache
+MAX_CACHE_SALT_BYTES = 256
+# Default pool budget: a quarter of the machine's RAM, at most 8 GiB (pages are committed only
+# as blocks are stored).
+DEFAULT_HOST_FRACTION, DEFAULT_HOST_CAP = 4, 8 << 30
+
+
+def default_kv_host_bytes() -> int:
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min(DEFAULT_HOST_CAP, ram // DEFAULT_HOST_FRACTION)
+
+
+def root_hash(namespace: bytes, salt: bytes | None) -> bytes:
+    """The chain's parent for block 0: the namespace, and the salt when there is one."""
+    h = hashlib.blake2b(namespace, digest_size=HASH_BYTES, person=b"kvforge-root")
+    if salt:
+        h.update(len(salt).to_bytes(4, "little") + salt)
+    return h.digest()
+
+
+def block_hash(parent: bytes, token_ids) -> bytes:
+    return hashlib.blake2b(parent + np.asarray(token_ids, "<i4").tobytes(), digest_size=HASH_BYTES).digest()
+
+
+class HostBlockPool:
+    """Fixed storage for `budget_bytes // bytes_per_block` blocks; block id = row of every array."""
+
+    def __init__(self, spec: KVBlockSpec, budget_bytes: int):
+        self.spec = spec
+        self.budget_bytes = budget_bytes
+        self.num_blocks = budget_bytes // spec.bytes_per_block
+        # np.zeros maps pages lazily: the budget is a bound, not memory taken up front
+        self.arrays = {t.name: np.zeros((self.num_blocks, *spec.block_shape(t.name)), t.dtype)
+                       for t in spec.tensors}
+        self.free = list(range(self.num_blocks - 1, -1, -1))
+        self.refs = np.zeros(self.num_blocks, np.int32)
+        self.by_hash: dict[bytes, int] = {}
+        self.hash_of: dict[int, bytes] = {}
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
+        self.counters = dict(blocks_evicted=0, blocks_stored=0, blocks_deduplicated=0, blocks_dropped=0)
+
+    @property
+    def bytes_used(self) -> int:
+        return (self.num_blocks - len(self.free)) * self.spec.bytes_per_block
+
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """Ids of the longest run of hashes[0..] that is cached."""
+        found = []
+        for h in hashes:
+            block = self.by_hash.get(h)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def acquire(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.refs[b] += 1
+            self.evictable.pop(b, None)
+
+    def release(self, blocks: list[int]) -> None:
+        """Drop one reference each, in the given order (the first released is the first evicted)."""
+        for b in blocks:
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                if b in self.hash_of:
+                    self.evictable[b] = None
+                else:
+                    self.free.append(b)
+
+    def _take(self) -> int | None:
+        if self.free:
+            return self.free.pop()
+        if not self.evictable:
+            return None
+        block, _ = self.evictable.popitem(last=False)
+        del self.by_hash[self.hash_of.pop(block)]
+        self.counters["blocks_evicted"] += 1
+        return block
+
+    def put(self, data: Blocks, hashes: list[bytes | None]) -> list[int]:
+        """Store blocks (hash None: anonymous, e.g. a swapped-out row), one reference each held by
+        the caller. A block already cached under its hash is shared, not copied. Returns the ids
+        of the leading blocks that could be kept (storage full of referenced blocks: fewer)."""
+        ids = []
+        for i, h in enumerate(hashes):
+            block = self.by_hash.get(h) if h is not None else None
+            if block is not None:
+                self.counters["blocks_deduplicated"] += 1
+                self.acquire([block])
+                ids.append(block)
+                continue
+            block = self._take()
+            if block is None:
+                self.counters["blocks_dropped"] += len(hashes) - i
+                break
+            for name, array in self.arrays.items():
+                array[block] = data[name][i]
+            self.refs[block] = 1
+            if h is not None:
+                self.by_hash[h], self.hash_of[block] = block, h
+                self.counters["blocks_stored"] += 1
+            ids.append(block)
+        return ids
+
+    def get(self, blocks: list[int]) -> Blocks:
+        return {name: array[blocks] for name, array in self.arrays.items()}
+
+    def clear(self) -> int:
+        """Forget every cached block; referenced ones stay until released. Returns how many were dropped."""
+        dropped = len(self.by_hash)
+        for block in list(self.hash_of):
+            del self.by_hash[self.hash_of.pop(block)]
+        self.free.extend(self.evictable)
+        self.evictable.clear()
+        return dropped
+
+
+class KVManager:
+    """Not thread-safe: the scheduler calls it under the engine's lock."""
+
+    def __init__(self, runner: Runner, slots: int, kv_cache_bytes: int, pool: HostBlockPool | None,
+                 namespace: bytes):
+        self.runner = runner
+        self.slots = slots
+        self.kv_cache_bytes = kv_cache_bytes
+        self.pool = pool
+        self.namespace = namespace
+        self.block_tokens = runner.block.tokens
+        self.bytes_per_token = runner.manifest.kv_bytes_per_token
+        self.in_flight: dict[bytes, int] = {}  # block hash -> request id of the running sequence computing it
+        self.counters = dict(prefix_cache_queried_tokens=0, prefix_cache_hit_tokens=0, copy_in_blocks=0,
+                             copy_in_seconds=0.0, copy_out_blocks=0, copy_out_seconds=0.0, resizes=0)
+        runner.allocate(1, runner.bucket_for(1))
+
+    # ------------------------------------------------------------------ slot buffers
+
+    def _rows_for(self, sequences: int) -> int:
+        return min(self.slots, 1 << max(0, sequences - 1).bit_length())
+
+    def _slot_bytes(self, rows: int, tokens: int) -> int:
+        return rows * self.runner.bucket_for(tokens) * self.bytes_per_token
+
+    def fits_ever(self, seq: Sequence) -> bool:
+        return self._slot_bytes(1, seq.max_tokens_total) <= self.kv_cache_bytes
+
+    def can_admit(self, seq: Sequence, running: list[Sequence]) -> bool:
+        if len(running) >= self.slots:
+            return False
+        longest = max([s.max_tokens_total for s in running] + [seq.max_tokens_total])
+        return self._slot_bytes(self._rows_for(len(running) + 1), longest) <= self.kv_cache_bytes
+
+    def make_room(self, sequences: int) -> None:
+        """Enough runner rows for `sequences` packed rows (the ones before keep their KV)."""
+        rows = self._rows_for(sequences)
+        if rows > self.runner.slots:
+            self.runner.resize(self.runner.capacity, sequences - 1, slots=rows)
+            self.counters["resizes"] += 1
+
+    def fit_capacity(self, tokens: int, rows: int) -> None:
+        """A capacity holding `tokens` for packed rows 0..rows-1. Growing drops spare rows too:
+        admission checked rows_for(running) x the longest promise against the budget."""
+        if tokens > self.runner.capacity:
+            self.runner.resize(self.runner.bucket_for(tokens), rows, slots=self._rows_for(rows))
+            self.counters["resizes"] += 1
+
+    def shrink(self, running: list[Sequence]) -> None:
+        """A smaller bucket once the longest sequence has left (rows are kept for the next ones)."""
+        capacity = self.runner.bucket_for(max((s.num_cached + 1 for s in running), default=1))
+        if capacity < self.runner.capacity:
+            self.runner.resize(capacity, len(running))
+            self.counters["resizes"] += 1
+
+    def move(self, src: int, dst: int, tokens: int) -> None:
+        self.runner.move(src, dst, tokens)
+
+    @property
+    def utilization(self) -> float:
+        return self.runner.kv_bytes_allocated / self.kv_cache_bytes
+
+    # ------------------------------------------------------------------ prefix cache
+
+    def _hashes(self, seq: Sequence, blocks: int) -> list[bytes]:
+        """The chain hashes of seq's first `blocks` full blocks (computed once, extended as it grows)."""
+        hashes, b = seq.block_hashes, self.block_tokens
+        parent = hashes[-1] if hashes else root_hash(self.namespace, seq.cache_salt)
+        for i in range(len(hashes), blocks):
+            parent = block_hash(parent, seq.tokens[i * b:(i + 1) * b])
+            hashes.append(parent)
+        return hashes[:blocks]
+
+    def match(self, seq: Sequence) -> tuple[list[int], bool]:
+        """(ids of the cached blocks seq can start from, whether its next block is being computed
+        by a running sequence - then it should wait for it)."""
+        if self.pool is None:
+            return [], False
+        hashes = self._hashes(seq, (seq.num_prompt - 1) // self.block_tokens)
+        hit = self.pool.lookup(hashes)
+        return hit, len(hit) < len(hashes) and hashes[len(hit)] in self.in_flight
+
+    def admit(self, seq: Sequence, row: int, hit: list[int], rows: int) -> None:
+        """seq now owns row `row` of `rows` packed rows: copy its cached prefix in, and announce the prompt blocks
+        it is about to compute so that requests with the same prefix wait for them."""
+        self.counters["prefix_cache_queried_tokens"] += seq.num_prompt
+        if self.pool is None:
+            return
+        if hit:
+            began = time.perf_counter()
+            tokens = len(hit) * self.block_tokens
+            self.fit_capacity(tokens + 1, rows)
+            self.pool.acquire(hit)
+            self.runner.write_blocks(row, 0, self.pool.get(hit))
+            self.counters["copy_in_seconds"] += time.perf_counter() - began
+            self.counters["copy_in_blocks"] += len(hit)
+            self.counters["prefix_cache_hit_tokens"] += tokens
+            seq.num_cached = seq.cached_tokens = tokens
+            seq.pool_blocks, seq.num_stored_blocks = list(hit), len(hit)
+        for h in self._hashes(seq, seq.num_prompt // self.block_tokens)[len(hit):]:
+            self.in_flight.setdefault(h, seq.request_id)
+
+    def store(self, seq: Sequence, row: int) -> None:
+        """Copy the blocks seq has filled since the last call out to the pool."""
+        full = seq.num_cached // self.block_tokens
+        start = seq.num_stored_blocks
+        if self.pool is None or full <= start or not seq.stores_blocks:
+            return
+        hashes = self._hashes(seq, full)[start:]
+        for h in hashes:
+            if self.in_flight.get(h) == seq.request_id:
+                del self.in_flight[h]
+        began = time.perf_counter()
+        ids = self.pool.put(self.runner.read_blocks(row, start, len(hashes)), hashes)
+        self.counters["copy_out_seconds"] += time.perf_counter() - began
+        self.counters["copy_out_blocks"] += len(hashes)
+        seq.pool_blocks += ids
+        seq.num_stored_blocks = full
+        if len(ids) < len(hashes):  # the pool is full of referenced blocks: a gap ends seq's chain
+            seq.stores_blocks = False
+
+    def release(self, seq: Sequence) -> None:
+        """seq left: its references go (tail first, so the tail is evicted first); its announced
+        blocks are no longer coming."""
+        if self.pool is not None:
+            self.pool.release(seq.pool_blocks[::-1])
+        seq.pool_blocks = []
+        for h in seq.block_hashes:
+            if self.in_flight.get(h) == seq.request_id:
+                del self.in_flight[h]
+
+    def clear(self) -> int:
+        """Empty the prefix cache (running sequences keep their slots); returns the blocks dropped."""
+        return self.pool.clear() if self.pool is not None else 0
+
+    # ------------------------------------------------------------------ whole rows (swap)
+
+    def swap_out(self, seq: Sequence, row: int) -> list[int] | None:
+        """Copy row's cached tokens, partial last block included, to anonymous pool blocks (one
+        reference each, held by the caller); None if the pool cannot hold them."""
+        blocks = -(-seq.num_cached // self.block_tokens)
+        if self.pool is None or len(self.pool.free) + len(self.pool.evictable) < blocks:
+            return None
+        ids = self.pool.put(self.runner.read_blocks(row, 0, blocks), [None] * blocks)
+        assert len(ids) == blocks
+        return ids
+
+    def swap_in(self, seq: Sequence, row: int, blocks: list[int], rows: int) -> None:
+        """Copy a swapped-out row back into row `row` of `rows` packed rows and free its blocks."""
+        self.fit_capacity(seq.num_cached + 1, rows)
+        self.runner.write_blocks(row, 0, self.pool.get(blocks))
+        self.pool.release(blocks)
+
+    def stats(self) -> dict:
+        pool = self.pool
+        return dict(kv_utilization=self.utilization, kv_bytes_allocated=self.runner.kv_bytes_allocated,
+                    kv_cache_bytes=self.kv_cache_bytes, capacity=self.runner.capacity, **self.counters,
+                    kv_host_pool_bytes=pool.bytes_used if pool else 0,
+                    kv_host_pool_budget_bytes=pool.budget_bytes if pool else 0,
+                    kv_host_pool_blocks=pool.num_blocks if pool else 0,
+                    **(pool.counters if pool else dict(blocks_evicted=0, blocks_stored=0, blocks_deduplicated=0,
+                                                       blocks_dropped=0)))

@@ -1,0 +1,100 @@
+"""The Runner interface: one step of the decoder over a batch of KV slots, and the KV blocks
+of those slots, copied out and in.
+
+A Runner owns the KV buffers for `slots` sequences. Active sequences occupy rows 0..rows-1
+(the KV manager keeps them packed with `move`), so every step binds a contiguous prefix of
+each buffer: no gather, no copy. Implementations: runtime/runner.py (ONNX Runtime, in place
+and concat) and runtime/tensorrt_runner.py (in place on a GPU); `runtime.runner.open_runner`
+picks one from the manifest. This module imports neither, so they import it without a cycle.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+from kvforge.manifest import Manifest, capacity_bucket, kv_block_spec
+
+# A block of one cache tensor, as read_blocks returns it and write_blocks takes it:
+# [blocks, kv_heads, block_tokens, D] (D = 1 for a scale tensor), C-contiguous.
+Blocks = dict[str, np.ndarray]
+
+
+class Runner(ABC):
+    """allocate -> step* (with move/resize/read_blocks/write_blocks between steps)."""
+
+    def __init__(self, manifest: Manifest):
+        self.manifest = manifest
+        self.block = kv_block_spec(manifest)
+        self.slots = 0
+        self.capacity = 0
+
+    @abstractmethod
+    def allocate(self, slots: int, capacity: int) -> None:
+        """(Re)create empty KV buffers for `slots` sequences of up to `capacity` tokens."""
+
+    @abstractmethod
+    def step(self, input_ids: np.ndarray, write_positions: np.ndarray, num_new: np.ndarray) -> np.ndarray:
+        """Run rows 0..len(input_ids)-1: input_ids [rows, S] (right-padded), write_positions [rows]
+        (tokens already cached per row), num_new [rows] (real tokens per row, <= S).
+        Returns logits [rows, S, vocab] float32; row b's cache now holds write_positions[b] + num_new[b]."""
+
+    @abstractmethod
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy the first `length` cached tokens of slot src into slot dst (keeps rows packed)."""
+
+    @abstractmethod
+    def resize(self, capacity: int, rows: int, slots: int | None = None) -> None:
+        """Change the capacity (and the slot count) keeping the cached tokens of rows 0..rows-1
+        (up to the new capacity)."""
+
+    def read_blocks(self, row: int, start: int, n: int) -> Blocks:
+        """Copies of blocks start..start+n-1 of slot `row` (positions past the capacity read as 0)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot copy KV blocks out of its slots")
+
+    def write_blocks(self, row: int, start: int, data: Blocks) -> None:
+        """Write blocks start.. of slot `row` from read_blocks-shaped data (past the capacity: dropped)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot copy KV blocks into its slots")
+
+    @property
+    @abstractmethod
+    def kv_bytes_allocated(self) -> int:
+        """Bytes held by KV buffers right now."""
+
+    def bucket_for(self, tokens: int) -> int:
+        return capacity_bucket(tokens, self.manifest.max_seq_len)
+
+    def check_step(self, input_ids: np.ndarray, write_positions: np.ndarray, num_new: np.ndarray) -> None:
+        rows, seq = input_ids.shape
+        if rows > self.slots:
+            raise ValueError(f"{rows} rows exceed the {self.slots} allocated slots")
+        if write_positions.shape != (rows,) or num_new.shape != (rows,):
+            raise ValueError("write_positions and num_new need one entry per row")
+        needed = int((write_positions + seq).max())
+        if needed > self.capacity:
+            raise ValueError(f"step needs {needed} cache positions but capacity is {self.capacity}; resize first")
+
+    def block_range(self, start: int, n: int) -> tuple[int, int]:
+        """Token positions [lo, hi) of blocks start..start+n-1 that lie inside the capacity."""
+        tokens = self.block.tokens
+        lo = start * tokens
+        if lo > self.capacity:
+            raise ValueError(f"block {start} starts past the capacity {self.capacity}")
+        return lo, min((start + n) * tokens, self.capacity)
+
+
+def as_blocks(tokens_major: np.ndarray, n: int, block_tokens: int) -> np.ndarray:
+    """[kv_heads, <= n*block_tokens, D] (one slot's positions) -> [n, kv_heads, block_tokens, D], zero-padded."""
+    heads, length, width = tokens_major.shape
+    out = np.zeros((n, heads, block_tokens, width), tokens_major.dtype)
+    full = length // block_tokens
+    out[:full] = tokens_major[:, :full * block_tokens].reshape(heads, full, block_tokens, width).transpose(1, 0, 2, 3)
+    if full < n and length > full * block_tokens:
+        out[full, :, :length - full * block_tokens] = tokens_major[:, full * block_tokens:]
+    return out
+
+
+def as_tokens(blocks: np.ndarray, length: int) -> np.ndarray:
+    """[n, kv_heads, block_tokens, D] -> the first `length` positions as [kv_heads, length, D]."""
+    n, heads, block_tokens, width = blocks.shape
+    return blocks.transpose(1, 0, 2, 3).reshape(heads, n * block_tokens, width)[:, :length]
