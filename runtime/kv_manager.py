@@ -201,10 +201,12 @@ class KVManager:
             self.counters["resizes"] += 1
 
     def shrink(self, running: list[Sequence]) -> None:
-        """A smaller bucket once the longest sequence has left (rows are kept for the next ones)."""
+        """A smaller bucket once the longest sequence has left; rows are kept for the next ones
+        until nothing runs (then one row of the smallest bucket is all an idle engine holds)."""
         capacity = self.runner.bucket_for(max((s.num_cached + 1 for s in running), default=1))
-        if capacity < self.runner.capacity:
-            self.runner.resize(capacity, len(running))
+        slots = self.runner.slots if running else 1
+        if capacity < self.runner.capacity or slots < self.runner.slots:
+            self.runner.resize(capacity, len(running), slots=slots)
             self.counters["resizes"] += 1
 
     def move(self, src: int, dst: int, tokens: int) -> None:

@@ -52,7 +52,9 @@ def test_greedy_batched_equals_unbatched_reference(engine_dir):
     assert stats["max_rows"] == 3 and stats["multi_row_steps"] > 10
     assert stats["prefill_steps"] + stats["mixed_steps"] >= 3  # the long prompt took several chunks
     assert stats["resizes"] >= 2 and stats["capacity"] == 64  # grew for the long prompt, shrank after
-    assert stats["running"] == stats["waiting"] == 0 and stats["kv_utilization"] == 0
+    assert stats["running"] == stats["waiting"] == 0
+    idle = 64 * Manifest.load(engine_dir).kv_bytes_per_token  # one row of the smallest bucket
+    assert stats["kv_bytes_allocated"] == idle and stats["kv_utilization"] == idle / stats["kv_cache_bytes"]
 
 
 def test_requests_join_and_leave_the_running_batch(engine_dir):
@@ -101,13 +103,14 @@ def test_admission_waits_for_slots_and_kv_blocks(engine_dir):
         assert stats["running"] <= 2 and stats["running"] + stats["waiting"] + stats["finished"] == 5
         assert len(engine.generate(PROMPTS[:2], SamplingParams(max_tokens=4))) == 2
         assert engine.stats()["max_rows"] == 2 and len(ids) == 5
-    # 4 KV blocks (64 tokens) for 4 slots: requests promising 2 blocks each run two at a time
+    # slot buffers for 128 tokens, 4 slots: requests fitting the 64-token bucket run two at a
+    # time (four rows would be 256 tokens), and a promise needing the 256 bucket never fits
     bytes_per_token = Manifest.load(engine_dir).kv_bytes_per_token
-    with LLMEngine(engine_dir, slots=4, kv_cache_bytes=64 * bytes_per_token) as engine:
+    with LLMEngine(engine_dir, slots=4, kv_cache_bytes=128 * bytes_per_token) as engine:
         engine.generate(PROMPTS[:4], SamplingParams(max_tokens=20))
         assert engine.stats()["max_rows"] == 2
-        with pytest.raises(RequestError, match="the cache holds 64"):
-            engine.submit(PROMPTS[0], SamplingParams(max_tokens=100))
+        with pytest.raises(RequestError, match="needs 256 KV tokens .* the cache holds 128"):
+            engine.submit(PROMPTS[0], SamplingParams(max_tokens=200))
 
 
 def test_queue_full_is_a_clear_error(engine_dir):
@@ -177,7 +180,8 @@ def test_cancellation_frees_the_slot(engine_dir):
         assert engine.generate([PROMPTS[2]], SamplingParams(max_tokens=4))[0].finish_reason == "length"
         stats = engine.stats()
     assert [f.finish_reason for f in finals] == ["cancelled", "cancelled"]
-    assert stats["cancelled"] == 2 and stats["running"] == 0 and stats["kv_utilization"] == 0
+    assert stats["cancelled"] == 2 and stats["running"] == 0
+    assert stats["kv_bytes_allocated"] == 64 * Manifest.load(engine_dir).kv_bytes_per_token
     assert stats["generated_tokens"] < 400
     assert not engine.cancel(running)  # no longer live
 

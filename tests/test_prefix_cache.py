@@ -1,0 +1,285 @@
+"""Automatic prefix caching and the KV manager on real tiny exports (ONNX Runtime, in place):
+a hit changes nothing but the time to the first token."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from kvforge.manifest import Manifest, cache_namespace, kv_block_spec
+from runtime.kv_manager import HostBlockPool, KVManager, block_hash, root_hash
+from runtime.llm_engine import LLMEngine, RequestError, SamplingParams
+from runtime.runner import open_runner
+from runtime.sequence import Sequence
+from tests.test_runtime import reference_greedy
+
+BLOCK = 16
+RNG = np.random.default_rng(0)
+DOCUMENT = RNG.integers(3, 4000, 150).tolist()  # 9 full blocks and a partial one
+QUESTIONS = [RNG.integers(3, 4000, n).tolist() for n in (5, 21, 40, 3, 17, 30, 9, 12)]
+
+
+@pytest.fixture(scope="module")
+def fp32(exports):
+    return exports()
+
+
+def greedy(max_tokens=64, **kw):
+    return SamplingParams(max_tokens=max_tokens, **kw)
+
+
+def test_hash_chain_is_stable_and_salted():
+    namespace = b"n" * 32
+    a = block_hash(root_hash(namespace, None), list(range(BLOCK)))
+    assert a == block_hash(root_hash(namespace, None), list(range(BLOCK)))  # no per-process seed
+    assert a.hex() == block_hash(root_hash(namespace, b""), np.arange(BLOCK)).hex()
+    assert a != block_hash(root_hash(namespace, b"tenant"), list(range(BLOCK)))
+    assert a != block_hash(root_hash(b"m" * 32, None), list(range(BLOCK)))
+    assert block_hash(a, [1] * BLOCK) != block_hash(block_hash(root_hash(namespace, None), [2] * BLOCK), [1] * BLOCK)
+
+
+def test_namespace_separates_what_changes_kv(fp32, exports):
+    base = Manifest.load(fp32)
+    assert cache_namespace(base) == cache_namespace(Manifest.load(fp32))
+    assert cache_namespace(base) != cache_namespace(Manifest.load(exports("inplace", "int8")))
+    int8_weights = Manifest(**{**base.__dict__, "engine": {"weights": "int8"}})
+    assert cache_namespace(base) != cache_namespace(int8_weights)
+    moved = Manifest(**{**base.__dict__, "source": {**base.source, "path": "/elsewhere"}})
+    assert cache_namespace(base) == cache_namespace(moved)  # the same checkpoint anywhere
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8", "int4"])
+def test_block_copies_round_trip_exactly_with_scales(exports, dtype):
+    """What read_blocks gives and write_blocks takes is the slot's content, scales included."""
+    runner = open_runner(exports("inplace", dtype))
+    spec = kv_block_spec(runner.manifest)
+    runner.allocate(2, 256)
+    runner.step(np.array([DOCUMENT]), np.array([0]), np.array([len(DOCUMENT)]))
+    if dtype != "fp32":
+        assert any(name.endswith("_scale") for name in spec.names)
+    pool = HostBlockPool(spec, 12 * spec.bytes_per_block)
+    blocks = pool.put(runner.read_blocks(0, 0, 10), [None] * 10)  # the 10th is partial
+    runner.write_blocks(1, 0, pool.get(blocks))
+    for name, buf in runner.buffers.items():
+        assert np.array_equal(buf[1, :, :len(DOCUMENT)], buf[0, :, :len(DOCUMENT)]), name
+        assert spec.block_shape(name) == pool.arrays[name].shape[1:]
+    assert pool.bytes_used == 10 * spec.bytes_per_block <= pool.budget_bytes
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_prefill_after_copied_prefix_matches_full_prefill(exports, dtype):
+    """Runner level: 9 blocks copied from the pool + prefill of the rest + 64 decode steps give
+    the logits of the sequence computed from scratch (fp32 within 1e-5; int8 KV caches exactly
+    what the slot held, so it is as close)."""
+    directory = exports("inplace", dtype)
+    cold, warm = open_runner(directory), open_runner(directory)
+    for runner in (cold, warm):
+        runner.allocate(1, 256)
+    prompt = DOCUMENT + QUESTIONS[1]
+    logits = [cold.step(np.array([prompt]), np.array([0]), np.array([len(prompt)]))[0, -1]]
+    pool = HostBlockPool(cold.block, 9 * cold.block.bytes_per_block)
+    warm.write_blocks(0, 0, pool.get(pool.put(cold.read_blocks(0, 0, 9), [None] * 9)))
+    cached = 9 * BLOCK
+    logits.append(warm.step(np.array([prompt[cached:]]), np.array([cached]), np.array([len(prompt) - cached]))[0, -1])
+    worst = float(np.abs(logits[0] - logits[1]).max())
+    for i in range(64):
+        tokens = [int(x.argmax()) for x in logits]
+        assert tokens[0] == tokens[1], i
+        logits = [r.step(np.array([[t]]), np.array([len(prompt) + i]), np.array([1]))[0, 0]
+                  for r, t in zip((cold, warm), tokens)]
+        worst = max(worst, float(np.abs(logits[0] - logits[1]).max()))
+    assert worst <= (1e-5 if dtype == "fp32" else 1e-3), worst
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_greedy_with_a_hit_equals_without(exports, dtype):
+    directory = exports("inplace", dtype)
+    prompt = DOCUMENT + QUESTIONS[2]
+    with LLMEngine(directory, prefix_cache=False) as engine:
+        expected = engine.generate([prompt], greedy())[0]
+        assert engine.generate([prompt], greedy())[0].cached_tokens == 0  # disabled never hits
+        assert engine.stats()["prefix_cache_hit_tokens"] == 0
+    with LLMEngine(directory) as engine:
+        cold = engine.generate([prompt], greedy())[0]
+        warm = engine.generate([prompt], greedy())[0]
+        stats = engine.stats()
+    assert len(expected.token_ids) == 64
+    assert cold.token_ids == warm.token_ids == expected.token_ids and warm.text == expected.text
+    assert (cold.cached_tokens, warm.cached_tokens) == (0, (len(prompt) - 1) // BLOCK * BLOCK)
+    assert stats["prefix_cache_hit_tokens"] == warm.cached_tokens
+    assert stats["prefix_cache_queried_tokens"] == 2 * len(prompt)
+
+
+def test_seeded_sampling_is_identical_with_a_hit(fp32):
+    prompt = DOCUMENT + QUESTIONS[0]
+    params = SamplingParams(max_tokens=48, temperature=1.0, top_p=0.9, seed=11)
+    with LLMEngine(fp32, prefix_cache=False) as engine:
+        expected = engine.generate([prompt], params)[0].token_ids
+    with LLMEngine(fp32) as engine:
+        runs = [engine.generate([prompt], params)[0] for _ in range(2)]
+    assert runs[1].cached_tokens > 0
+    assert [r.token_ids for r in runs] == [expected, expected]
+
+
+def test_partial_hits_and_a_strict_prefix_prompt(fp32):
+    shared = DOCUMENT[:100]  # 6 full blocks, then the prompts differ
+    other = shared + QUESTIONS[3] + QUESTIONS[4]
+    strict = DOCUMENT[:70]  # a strict prefix of the cached prompt
+    with LLMEngine(fp32) as engine:
+        engine.generate([DOCUMENT], greedy(8))
+        partial = engine.generate([other], greedy(32))[0]
+        prefix = engine.generate([strict], greedy(32))[0]
+        whole = engine.generate([DOCUMENT[:96] + [DOCUMENT[96]]], greedy(32))[0]  # ends right after 6 blocks
+    eos = set(engine.tokenizer.eos_token_ids)
+    assert partial.cached_tokens == 96 and prefix.cached_tokens == 64
+    assert whole.cached_tokens == 96  # everything but the last token, which is always computed
+    assert partial.token_ids == reference_greedy(fp32, other, 32, eos)
+    assert prefix.token_ids == reference_greedy(fp32, strict, 32, eos)
+    assert whole.token_ids == reference_greedy(fp32, DOCUMENT[:97], 32, eos)
+
+
+def test_eight_requests_sharing_a_prefix_joining_at_different_times(fp32):
+    prompts = [DOCUMENT + q for q in QUESTIONS]
+    with LLMEngine(fp32, prefix_cache=False) as engine:
+        alone = [engine.generate([p], greedy(40))[0].token_ids for p in prompts]
+    with LLMEngine(fp32, slots=8, prefill_tokens=64) as engine:
+        results: dict[int, list[int]] = {}
+        cached: dict[int, int] = {}
+        progress = [threading.Event() for _ in prompts]
+        done = threading.Semaphore(0)
+
+        def collect(i):
+            def on_output(out):
+                results.setdefault(i, []).extend(out.token_ids)
+                if len(results[i]) >= 3:
+                    progress[i].set()
+                if out.finished:
+                    cached[i] = out.cached_tokens
+                    progress[i].set()
+                    done.release()
+            return on_output
+
+        for i, prompt in enumerate(prompts):
+            if i:  # the next one joins once the previous has a few tokens: mid-prefill or mid-decode
+                assert progress[i - 1].wait(60)
+            engine.submit(prompt, greedy(40), collect(i))
+        for _ in prompts:
+            assert done.acquire(timeout=120)
+        stats = engine.stats()
+    assert [results[i] for i in range(len(prompts))] == alone
+    assert all(cached[i] == 144 for i in range(1, len(prompts)))
+    assert stats["max_rows"] > 1
+
+
+def test_a_burst_with_one_prefix_computes_it_once(fp32):
+    prompts = [DOCUMENT + q for q in QUESTIONS[:4]]
+    with LLMEngine(fp32, prefix_cache=False) as engine:
+        alone = [r.token_ids for r in engine.generate(prompts, greedy(16))]
+    with LLMEngine(fp32, slots=4, prefill_tokens=64) as engine:
+        outs = engine.generate(prompts, greedy(16))  # all four arrive before the first step
+        stats = engine.stats()
+    assert [o.token_ids for o in outs] == alone
+    assert [o.cached_tokens for o in outs] == [0, 144, 144, 144]
+    assert stats["prefix_waits"] > 0
+    # the document was prefilled once; the others computed only their own tails
+    assert stats["prompt_tokens"] == sum(len(p) for p in prompts) - 3 * 144
+
+
+def test_eviction_under_a_tiny_pool_never_corrupts(fp32):
+    spec = kv_block_spec(Manifest.load(fp32))
+    prompts = [RNG.integers(3, 4000, 120).tolist() for _ in range(6)]
+    eos = set()
+    with LLMEngine(fp32, slots=3, kv_host_bytes=5 * spec.bytes_per_block) as engine:
+        eos = set(engine.tokenizer.eos_token_ids)
+        together = engine.generate(prompts, greedy(24))  # 3 running at once, 7 blocks each, 5 in the pool
+        one_by_one = [engine.generate([p], greedy(24))[0] for p in prompts + prompts[::-1]]
+        stats = engine.stats()
+    expected = [reference_greedy(fp32, p, 24, eos) for p in prompts]
+    assert [o.token_ids for o in together] == expected
+    assert [o.token_ids for o in one_by_one] == expected + expected[::-1]
+    assert stats["blocks_evicted"] > 0 and stats["kv_host_pool_bytes"] <= 5 * spec.bytes_per_block
+    assert stats["prefix_cache_hit_tokens"] > 0  # the repeat of the last prompt found its head
+
+
+def test_salted_requests_never_hit_other_salts(fp32):
+    prompt = DOCUMENT + QUESTIONS[5]
+    with LLMEngine(fp32) as engine:
+        def cached(salt):
+            return _run(engine, prompt, salt)
+
+        assert cached(None) == 0
+        assert cached(b"tenant-a") == 0  # never the unsalted blocks
+        full = (len(prompt) - 1) // BLOCK * BLOCK
+        assert cached(b"tenant-a") == full
+        assert cached(b"tenant-b") == 0
+        assert cached(None) == full
+        with pytest.raises(RequestError, match="cache_salt must be at most 256 bytes"):
+            engine.submit(prompt, greedy(), cache_salt=b"x" * 300)
+
+
+def _run(engine, prompt, salt):
+    done, result = threading.Event(), {}
+
+    def on_output(out):
+        if out.finished:
+            result["out"] = out
+            done.set()
+
+    engine.submit(prompt, greedy(4), on_output, cache_salt=salt)
+    assert done.wait(60)
+    return result["out"].cached_tokens
+
+
+def test_clearing_the_cache_forgets_every_prefix(fp32):
+    with LLMEngine(fp32) as engine:
+        engine.generate([DOCUMENT], greedy(4))
+        assert engine.clear_prefix_cache() > 0
+        assert engine.generate([DOCUMENT], greedy(4))[0].cached_tokens == 0
+        assert engine.generate([DOCUMENT], greedy(4))[0].cached_tokens == 144
+        assert engine.stats()["kv_host_pool_bytes"] > 0
+
+
+def test_slot_buffers_stay_within_kv_cache_bytes(fp32):
+    bytes_per_token = Manifest.load(fp32).kv_bytes_per_token
+    budget = 256 * bytes_per_token
+    with LLMEngine(fp32, slots=8, kv_cache_bytes=budget) as engine:
+        peak = []
+        done = threading.Semaphore(0)
+
+        def watch(out):
+            peak.append(engine.runner.kv_bytes_allocated)  # the engine thread: between steps
+            if out.finished:
+                done.release()
+
+        for i, q in enumerate(QUESTIONS):
+            engine.submit(q * 2, greedy(40 + 10 * i), watch)
+        for _ in QUESTIONS:
+            assert done.acquire(timeout=120)
+        stats = engine.stats()
+    assert max(peak) <= budget and stats["max_rows"] >= 2
+    assert 0 < stats["kv_utilization"] <= 1 and stats["kv_cache_bytes"] == budget
+
+
+def test_a_running_row_swaps_out_and_back_with_its_partial_block(fp32):
+    """What swap preemption will do: a row's KV (9 full blocks and a partial one) goes to the
+    pool, the row is overwritten by another sequence, and the KV comes back: decoding goes on
+    as if nothing happened."""
+    runner = open_runner(fp32)
+    pool = HostBlockPool(runner.block, 32 * runner.block.bytes_per_block)
+    kv = KVManager(runner, slots=2, kv_cache_bytes=1 << 30, pool=pool, namespace=cache_namespace(runner.manifest))
+    seq = Sequence(1, DOCUMENT, greedy(), print, None, frozenset())
+    kv.make_room(1)
+    kv.fit_capacity(len(DOCUMENT) + 32, 1)
+    logits = runner.step(np.array([DOCUMENT]), np.array([0]), np.array([len(DOCUMENT)]))[0, -1]
+    seq.num_cached = len(DOCUMENT)
+    tokens = [int(logits.argmax())]
+    blocks = kv.swap_out(seq, 0)
+    assert len(blocks) == 10 and pool.bytes_used == 10 * runner.block.bytes_per_block
+    runner.step(np.array([QUESTIONS[2] * 4]), np.array([0]), np.array([160]))  # clobbers row 0
+    kv.swap_in(seq, 0, blocks, 1)
+    assert pool.bytes_used == 0  # anonymous blocks go straight back to the free list
+    for i in range(16):
+        logits = runner.step(np.array([[tokens[-1]]]), np.array([len(DOCUMENT) + i]), np.array([1]))[0, 0]
+        tokens.append(int(logits.argmax()))
+    assert tokens[:17] == reference_greedy(fp32, DOCUMENT, 17, set())
