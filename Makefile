@@ -21,6 +21,10 @@ METRICS_PORT ?= 8002
 PROMPT ?= def fibonacci(n):
 MAX_TOKENS ?= 64
 SAMPLING ?= --temperature 0.8 --top-p 0.9 --seed 1
+# prefix caching (1 = on); KV_HOST_BYTES = the host RAM block pool's budget (empty: a quarter of RAM, <= 8 GiB)
+PREFIX_CACHE ?= 1
+KV_HOST_BYTES ?=
+KV_FLAGS = --prefix-cache $(if $(filter 0,$(PREFIX_CACHE)),off,on) $(if $(KV_HOST_BYTES),--kv-host-bytes $(KV_HOST_BYTES),)
 
 .PHONY: setup export verify build-engines serve run test bench clean
 
@@ -46,11 +50,11 @@ build-engines: $(EXPORT_DIR)/manifest.json
 
 serve: setup
 	$(PY) -m runtime.triton_server --repo model_repository --host $(HOST) \
-		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(KV_FLAGS)
 
 run: build-engines
 	$(PY) -m runtime.triton_server --repo model_repository --host $(HOST) \
-		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
+		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(KV_FLAGS) \
 		-- $(PY) -m clients.generate "$(PROMPT)" --url $(HOST):$(GRPC_PORT) --max-tokens $(MAX_TOKENS) $(SAMPLING)
 
 test: setup

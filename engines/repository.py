@@ -36,6 +36,13 @@ def tensor(name: str, dtype: str, dims: list[int], optional: bool = False, ragge
     return f'  {{ name: "{name}" data_type: {dtype} dims: {dims}{extra} }}'
 
 
+# The prefix cache's inputs and output on `llm` (see model_repository/llm/1/model.py).
+PREFIX_CACHE_INPUTS = [tensor("cache_salt", "TYPE_STRING", [1], optional=True),
+                       tensor("clear_prefix_cache", "TYPE_BOOL", [1], optional=True),
+                       tensor("control_key", "TYPE_STRING", [1], optional=True)]
+PREFIX_CACHE_OUTPUTS = [tensor("cached_tokens", "TYPE_INT32", [1])]
+
+
 def parameters(values: dict[str, object]) -> str:
     return ",\n".join(f'  {{ key: "{k}" value: {{ string_value: "{v}" }} }}' for k, v in values.items())
 
@@ -71,8 +78,9 @@ def write_repository(engine_dir: Path, repo: Path, slots: int | None = None,
              tensor("top_k", "TYPE_INT32", [1], optional=True),
              tensor("seed", "TYPE_UINT64", [1], optional=True),
              tensor("stop", "TYPE_STRING", [-1], optional=True, ragged=True),
-             tensor("stream", "TYPE_BOOL", [1], optional=True)],
-            [tensor("text_output", "TYPE_STRING", [-1]), tensor("output_ids", "TYPE_INT32", [-1])],
+             tensor("stream", "TYPE_BOOL", [1], optional=True)] + PREFIX_CACHE_INPUTS,
+            [tensor("text_output", "TYPE_STRING", [-1]), tensor("output_ids", "TYPE_INT32", [-1])]
+            + PREFIX_CACHE_OUTPUTS,
             LLM_QUEUE_DELAY_US, kind,
             dict(engine_dir=relative_engine, slots=limits.slots, max_waiting=limits.max_waiting,
                  kv_cache_bytes=kv_cache_bytes),

@@ -211,7 +211,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT)
     parser.add_argument("--log", type=Path, help="server log file (default: a temporary file)")
+    parser.add_argument("--prefix-cache", choices=("on", "off"), default="on",
+                        help="reuse the KV of repeated prompt prefixes (default: on)")
+    parser.add_argument("--kv-host-bytes", type=int, help="byte budget of the host RAM KV block pool "
+                        "(default: a quarter of RAM, at most 8 GiB)")
     args = parser.parse_args(own)
+    # the llm model reads these in its own process (the server's environment is inherited)
+    os.environ["KVFORGE_PREFIX_CACHE"] = "1" if args.prefix_cache == "on" else "0"
+    if args.kv_host_bytes is not None:
+        if args.kv_host_bytes < 0:
+            parser.error("--kv-host-bytes must be >= 0")
+        os.environ["KVFORGE_KV_HOST_BYTES"] = str(args.kv_host_bytes)
     # a plain `kill` (or docker stop) must stop the server too, not orphan it
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 

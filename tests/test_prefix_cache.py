@@ -2,7 +2,9 @@
 a hit changes nothing but the time to the first token."""
 from __future__ import annotations
 
+import re
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -283,3 +285,77 @@ def test_a_running_row_swaps_out_and_back_with_its_partial_block(fp32):
         logits = runner.step(np.array([[tokens[-1]]]), np.array([len(DOCUMENT) + i]), np.array([1]))[0, 0]
         tokens.append(int(logits.argmax()))
     assert tokens[:17] == reference_greedy(fp32, DOCUMENT, 17, set())
+
+
+# ---------------------------------------------------------------- through a real tritonserver
+
+CONTROL_KEY = "test-control-key"
+POOL_BYTES = 64 << 20
+
+
+@pytest.fixture(scope="module")
+def server(exports, tmp_path_factory):
+    """A tritonserver of our own: the control key and pool budget reach the model by environment."""
+    import os
+
+    from engines.repository import write_repository
+    from runtime.triton_server import TritonServer, free_ports
+
+    repo = tmp_path_factory.mktemp("prefix_repository")
+    write_repository(exports(), repo, slots=4)
+    saved = {k: os.environ.get(k) for k in ("KVFORGE_CONTROL_KEY", "KVFORGE_KV_HOST_BYTES")}
+    os.environ.update(KVFORGE_CONTROL_KEY=CONTROL_KEY, KVFORGE_KV_HOST_BYTES=str(POOL_BYTES))
+    try:
+        http, grpc, metrics = free_ports(3)
+        with TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics) as s:
+            yield s
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def post_generate(server, **inputs) -> tuple[int, dict]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"http://{server.http_url}/v2/models/llm/generate",
+                                     json.dumps(inputs).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_triton_reports_cached_tokens_salts_and_clears_behind_the_key(server):
+    from tests.test_serving import metrics
+
+    prompt = "def fibonacci(n):\n" + "    total += n * n\n" * 12
+    first = post_generate(server, text_input=prompt, max_tokens=16)[1]
+    second = post_generate(server, text_input=prompt, max_tokens=16)[1]
+    salted = post_generate(server, text_input=prompt, max_tokens=16, cache_salt="tenant-a")[1]
+    assert first["cached_tokens"] == 0 and second["cached_tokens"] >= 64 and salted["cached_tokens"] == 0
+    assert second["text_output"] == first["text_output"] == salted["text_output"]
+
+    status, body = post_generate(server, text_input="", max_tokens=1, clear_prefix_cache=True)
+    assert status == 400 and "control key" in body["error"]
+    status, body = post_generate(server, text_input="", max_tokens=1, clear_prefix_cache=True, control_key="guess")
+    assert status == 400 and "control key" in body["error"]
+    assert post_generate(server, text_input=prompt, max_tokens=4)[1]["cached_tokens"] > 0  # still cached
+    status, body = post_generate(server, text_input="", max_tokens=1, clear_prefix_cache=True,
+                                 control_key=CONTROL_KEY)
+    assert status == 200 and re.fullmatch(r"cleared [1-9]\d* prefix cache blocks", body["text_output"])
+    assert post_generate(server, text_input=prompt, max_tokens=4)[1]["cached_tokens"] == 0
+
+    deadline = time.monotonic() + 10
+    while True:  # the model publishes its metrics every 0.1 s
+        m = metrics(server)
+        if m.get("kvforge_prefix_cache_hit_tokens_total", 0) >= 2 * second["cached_tokens"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert m["kvforge_prefix_cache_hit_tokens_total"] == second["cached_tokens"] * 2
+    assert m["kvforge_prefix_cache_queried_tokens_total"] > m["kvforge_prefix_cache_hit_tokens_total"]
+    assert m["kvforge_kv_host_pool_budget_bytes"] == POOL_BYTES
+    assert 0 < m["kvforge_kv_host_pool_bytes"] <= POOL_BYTES
+    assert m["kvforge_kv_blocks_evicted_total"] == 0

@@ -5,8 +5,15 @@ hands outputs to a sender thread, so a slow client never stalls decoding. The se
 polls `is_cancelled()` (a client that went away frees its slot at the next step) and updates
 the custom metrics. Inputs and outputs use the names of the TensorRT-LLM/vLLM backends, so
 /v2/models/llm/generate, /generate_stream and gRPC stream_infer work as with those.
+
+Prefix caching: an optional `cache_salt` input isolates a tenant's cached prefixes, every
+response carries `cached_tokens`, and a request with `clear_prefix_cache` true and the operator's
+`control_key` (compared with env KVFORGE_CONTROL_KEY, the secret that guards Triton's model
+control; no key set = refused) empties the prefix cache without a restart.
 """
+import hmac
 import json
+import os
 import queue
 import threading
 import time
@@ -21,7 +28,8 @@ POLL_SECONDS = 0.1
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # engine stats key -> custom metric on Triton's metrics port
 METRICS = [
-    ("kv_utilization", "kvforge_kv_cache_utilization", "Share of KV cache blocks holding tokens (0..1)", "GAUGE"),
+    ("kv_utilization", "kvforge_kv_cache_utilization",
+     "Bytes the KV slot buffers hold over their budget kv_cache_bytes (0..1)", "GAUGE"),
     ("running", "kvforge_running_sequences", "Sequences in the running batch", "GAUGE"),
     ("waiting", "kvforge_waiting_sequences", "Requests waiting for a KV slot", "GAUGE"),
     ("generated_tokens", "kvforge_generated_tokens_total", "Tokens generated", "COUNTER"),
@@ -29,6 +37,13 @@ METRICS = [
     ("multi_row_steps", "kvforge_batched_steps_total", "Engine steps that ran more than one sequence", "COUNTER"),
     ("finished", "kvforge_finished_requests_total", "Requests ended by a stop, their length or an error", "COUNTER"),
     ("cancelled", "kvforge_cancelled_requests_total", "Requests ended because their client went away", "COUNTER"),
+    ("prefix_cache_queried_tokens", "kvforge_prefix_cache_queried_tokens_total",
+     "Prompt tokens looked up in the prefix cache", "COUNTER"),
+    ("prefix_cache_hit_tokens", "kvforge_prefix_cache_hit_tokens_total",
+     "Prompt tokens whose KV came from the prefix cache", "COUNTER"),
+    ("kv_host_pool_bytes", "kvforge_kv_host_pool_bytes", "Bytes of KV blocks in the host RAM pool", "GAUGE"),
+    ("kv_host_pool_budget_bytes", "kvforge_kv_host_pool_budget_bytes", "Byte budget of the host RAM pool", "GAUGE"),
+    ("blocks_evicted", "kvforge_kv_blocks_evicted_total", "KV blocks evicted from the host RAM pool", "COUNTER"),
 ]
 
 
@@ -73,10 +88,39 @@ def parse(request):
     return one_value(request, "text_input", "", utf8("text_input")), params, one_value(request, "stream", False, bool)
 
 
-def response(text, ids):
+def response(text, ids, cached_tokens=0):
     return pb_utils.InferenceResponse(output_tensors=[
         pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_)),
-        pb_utils.Tensor("output_ids", np.array([ids], dtype=np.int32))])
+        pb_utils.Tensor("output_ids", np.array([ids], dtype=np.int32)),
+        pb_utils.Tensor("cached_tokens", np.array([cached_tokens], dtype=np.int32))])
+
+
+def cache_salt(request):
+    """The request's optional cache_salt (raw bytes): it shares cached prefixes only with the same salt."""
+    return one_value(request, "cache_salt", None, bytes)
+
+
+def clear_prefix_cache(request, engine):
+    """None for an ordinary request; else the response to the operator's clear request."""
+    if not one_value(request, "clear_prefix_cache", False, bool):
+        return None
+    expected = os.environ.get("KVFORGE_CONTROL_KEY", "").encode()
+    given = one_value(request, "control_key", b"", bytes)
+    if not expected or not hmac.compare_digest(given, expected):
+        return error("clearing the prefix cache needs the server's control key (control_key input)",
+                     pb_utils.TritonError.INVALID_ARG)
+    return response(f"cleared {engine.clear_prefix_cache()} prefix cache blocks", [])
+
+
+def engine_options():
+    """Prefix-cache knobs, per launch from the server's environment (python -m runtime.triton_server
+    --prefix-cache/--kv-host-bytes set them): KVFORGE_PREFIX_CACHE=0|1, KVFORGE_KV_HOST_BYTES=N."""
+    enabled = os.environ.get("KVFORGE_PREFIX_CACHE", "1")
+    host_bytes = os.environ.get("KVFORGE_KV_HOST_BYTES", "")
+    if enabled not in ("0", "1") or not (host_bytes.isdigit() or host_bytes == ""):
+        raise ValueError(f"KVFORGE_PREFIX_CACHE must be 0 or 1 (got {enabled!r}) and KVFORGE_KV_HOST_BYTES "
+                         f"a byte count (got {host_bytes!r})")
+    return dict(prefix_cache=enabled == "1", kv_host_bytes=int(host_bytes) if host_bytes else None)
 
 
 def error(message, code):
@@ -89,7 +133,7 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in config["parameters"].items()}
         self.engine = LLMEngine(Path(args["model_repository"]).parent / params["engine_dir"],
                                 slots=int(params["slots"]), max_waiting=int(params["max_waiting"]),
-                                kv_cache_bytes=int(params["kv_cache_bytes"]))
+                                kv_cache_bytes=int(params["kv_cache_bytes"]), **engine_options())
         self.outbox = queue.Queue()
         self.live = set()
         self.live_lock = threading.Lock()
@@ -105,9 +149,14 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
+                control = clear_prefix_cache(request, self.engine)
+                if control is not None:
+                    sender.send(control, flags=FINAL)
+                    continue
                 prompt, params, stream = parse(request)
                 client = Client(sender, stream)
-                client.request_id = self.engine.submit(prompt, params, lambda out, c=client: self.outbox.put((c, out)))
+                client.request_id = self.engine.submit(prompt, params, lambda out, c=client: self.outbox.put((c, out)),
+                                                       cache_salt=cache_salt(request))
                 with self.live_lock:
                     if not client.finished:  # a short request may be done already
                         self.live.add(client)
@@ -166,11 +215,12 @@ class TritonPythonModel:
         elif out.error:
             client.sender.send(error(out.error, pb_utils.TritonError.INTERNAL), flags=FINAL)
         elif client.stream:
-            client.sender.send(response(out.text, out.token_ids), flags=FINAL if out.finished else 0)
+            client.sender.send(response(out.text, out.token_ids, out.cached_tokens), flags=FINAL if out.finished else 0)
         else:
             client.gathered = client.gathered.merge(out) if client.gathered else out
             if out.finished:
-                client.sender.send(response(client.gathered.text, client.gathered.token_ids), flags=FINAL)
+                client.sender.send(response(client.gathered.text, client.gathered.token_ids, out.cached_tokens),
+                                   flags=FINAL)
 
     def poll(self):
         with self.live_lock:
