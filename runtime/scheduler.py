@@ -16,6 +16,7 @@ short prefix of rows; prefill steps alternate with decode steps and are chunked 
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -28,6 +29,10 @@ from runtime.sequence import RequestOutput, Sequence, Status
 
 MIX_PADDING_TOKENS = 16
 PREFILL_TOKENS = 256
+# A request loading its prefix from disk / Redis waits at most as long as recomputing it is
+# estimated to take (from the measured prefill rate), but never less than this (thread hand-offs);
+# before any prefill was measured, up to the longer bound.
+LOAD_DEADLINE_FLOOR, LOAD_DEADLINE_UNMEASURED = 0.05, 2.0
 
 
 class QueueFullError(RequestError):
@@ -58,7 +63,8 @@ class Scheduler:
         self.last_kind = "decode"
         self.counters = dict(steps=0, prefill_steps=0, decode_steps=0, mixed_steps=0, max_rows=0,
                              multi_row_steps=0, prompt_tokens=0, generated_tokens=0, finished=0,
-                             cancelled=0, prefix_waits=0)
+                             cancelled=0, prefix_waits=0, tier_loads_expired=0)
+        self.prefill_tokens_per_second: float | None = None  # measured, for the load-or-recompute choice
 
     def add(self, seq: Sequence) -> None:
         if len(self.waiting) >= self.max_waiting:
@@ -83,10 +89,24 @@ class Scheduler:
         sequence is computing right now lets the ones behind it go first and waits for it."""
         outputs = [(seq, self._cancel(seq)) for seq in map(self.requests.get, self.cancelled) if seq]
         self.cancelled.clear()
+        for request_id in self.kv.finish_loads():
+            if request_id in self.requests:
+                self.requests[request_id].load_deadline = None
+        now = time.monotonic()
         for seq in list(self.waiting):
+            if seq.load_deadline is not None:  # its prefix is coming from disk / Redis
+                if now < seq.load_deadline:
+                    continue
+                seq.load_deadline = None  # slower than recomputing it: go without
+                self.counters["tier_loads_expired"] += 1
             hit, wait = self.kv.match(seq)
             if wait:
                 self.counters["prefix_waits"] += 1
+                continue
+            recompute = self._recompute_seconds(seq, len(hit))
+            if self.kv.start_load(seq, hit, recompute):
+                seq.load_deadline = now + (LOAD_DEADLINE_UNMEASURED if recompute is None
+                                           else max(recompute, LOAD_DEADLINE_FLOOR))
                 continue
             if not self.kv.can_admit(seq, self.running):
                 break
@@ -94,9 +114,18 @@ class Scheduler:
             self._place(seq, hit)
         return outputs, (self._next_batch() if self.running else None)
 
+    def _recompute_seconds(self, seq: Sequence, hit_blocks: int) -> float | None:
+        rate = self.prefill_tokens_per_second
+        return None if rate is None else (seq.num_prompt - hit_blocks * self.kv.block_tokens) / rate
+
+    @property
+    def loading(self) -> int:
+        return sum(s.load_deadline is not None for s in self.waiting)
+
     def _cancel(self, seq: Sequence) -> RequestOutput:
         if seq.status is Status.WAITING:
             self.waiting.remove(seq)
+            self.kv.release(seq)  # a loading request's held blocks
             del self.requests[seq.request_id]
         else:
             self._remove(self.running.index(seq))
@@ -146,8 +175,15 @@ class Scheduler:
     # ------------------------------------------------------------------ the step
 
     def execute(self, batch: Batch) -> np.ndarray:
-        """The only call the engine makes without its lock: it touches nothing but the runner."""
-        return self.runner.step(batch.input_ids, batch.write_positions, batch.num_new)
+        """The only call the engine makes without its lock: it touches nothing but the runner
+        (and the measured prefill rate, one float)."""
+        began = time.perf_counter()
+        logits = self.runner.step(batch.input_ids, batch.write_positions, batch.num_new)
+        if batch.kind == "prefill":
+            rate = int(batch.num_new.sum()) / max(time.perf_counter() - began, 1e-6)
+            old = self.prefill_tokens_per_second
+            self.prefill_tokens_per_second = rate if old is None else 0.7 * old + 0.3 * rate
+        return logits
 
     # ------------------------------------------------------------------ after a step
 
