@@ -359,7 +359,7 @@ class KVManager:
 
     def stats(self) -> dict:
         pool = self.pool
-        tiers = self.tiers.stats() if self.tiers is not None else dict(tiers={})
+        tiers = self.tiers.stats() if self.tiers is not None else LowerTiers.no_stats()
         return dict(kv_utilization=self.utilization, kv_bytes_allocated=self.runner.kv_bytes_allocated,
                     kv_cache_bytes=self.kv_cache_bytes, capacity=self.runner.capacity, **self.counters,
                     kv_host_pool_bytes=pool.bytes_used if pool else 0,

@@ -268,10 +268,12 @@ class RedisTier:
         self.stats = TierStats(self.name)
         self.prefix = b"kvforge:" + codec.namespace.hex().encode() + b":"
         self.errors = (redis.RedisError, OSError)
-        # our own backoff instead of redis-py's retries: a failing call returns at once as a miss
-        self.client = redis.Redis.from_url(url, socket_timeout=REDIS_TIMEOUT_SECONDS,
-                                           socket_connect_timeout=REDIS_TIMEOUT_SECONDS,
-                                           retry=Retry(NoBackoff(), 0))
+        try:  # our own backoff instead of redis-py's retries: a failing call returns at once as a miss
+            self.client = redis.Redis.from_url(url, socket_timeout=REDIS_TIMEOUT_SECONDS,
+                                               socket_connect_timeout=REDIS_TIMEOUT_SECONDS,
+                                               retry=Retry(NoBackoff(), 0))
+        except ValueError:  # the URL may hold a password: never repeat it
+            raise ValueError("the KV Redis URL is not valid: redis://[:PASSWORD@]HOST:PORT/DB or rediss://...") from None
         self.retry_at, self.backoff, self.down = 0.0, BACKOFF_SECONDS[0], False
         self.lock = threading.Lock()
 
@@ -475,6 +477,15 @@ class LowerTiers:
             self.redis.close()
 
     def stats(self) -> dict:
-        return dict(self.counters, write_queue=self.writes.qsize(),
-                    tiers={t.name: dict(t.stats.snapshot(), enabled=int(getattr(t, "enabled", True)),
-                                        bytes=getattr(t, "bytes_used", 0)) for t in self.tiers})
+        tiers = {}
+        for t in self.tiers:
+            snapshot = t.stats.snapshot()
+            tiers[t.name] = dict(snapshot, hit_tokens=snapshot["hit_blocks"] * self.codec.spec.tokens,
+                                 enabled=int(getattr(t, "enabled", True)), bytes=getattr(t, "bytes_used", 0))
+        return dict(self.counters, tier_write_queue_blocks=self.writes.qsize(), tiers=tiers)
+
+    @staticmethod
+    def no_stats() -> dict:
+        """stats() of an engine without lower tiers."""
+        return dict(tier_write_dropped_blocks=0, tier_loads=0, tier_loads_abandoned=0, tier_write_queue_blocks=0,
+                    tiers={})

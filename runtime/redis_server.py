@@ -31,20 +31,22 @@ def redis_command(port: int, host: str = "127.0.0.1", maxmemory: str = "1gb") ->
 
 
 class RedisServer:
-    def __init__(self, port: int, maxmemory: str = "256mb"):
-        self.port, self.maxmemory = port, maxmemory
+    def __init__(self, port: int, maxmemory: str = "256mb", password: str | None = None):
+        self.port, self.maxmemory, self.password = port, maxmemory, password
         self.process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{f':{self.password}@' if self.password else ''}127.0.0.1:{self.port}/0"
 
     def start(self) -> "RedisServer":
         import redis
 
-        self.process = subprocess.Popen(redis_command(self.port, maxmemory=self.maxmemory),
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
+        command = redis_command(self.port, maxmemory=self.maxmemory)
+        if self.password:  # by stdin-less argument: only tests pass one here
+            command += ["--requirepass", self.password]
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
         deadline = time.monotonic() + READY_TIMEOUT
         while True:
             try:

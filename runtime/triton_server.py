@@ -215,13 +215,30 @@ def main(argv: list[str] | None = None) -> int:
                         help="reuse the KV of repeated prompt prefixes (default: on)")
     parser.add_argument("--kv-host-bytes", type=int, help="byte budget of the host RAM KV block pool "
                         "(default: a quarter of RAM, at most 8 GiB)")
+    parser.add_argument("--kv-disk-dir", type=Path, help="a local-disk KV tier below RAM in this directory "
+                        "(a restarted server hits what it stored; default: off)")
+    parser.add_argument("--kv-disk-bytes", type=int, help="byte budget of the disk tier (default: 8 GiB)")
+    parser.add_argument("--kv-redis-url", help="a shared Redis KV tier, redis://[:PASSWORD@]HOST:PORT/DB or "
+                        "rediss://... (default: off; $KVFORGE_KV_REDIS_URL keeps a password off the command line)")
+    parser.add_argument("--kv-redis-ttl", type=int, help="seconds before a Redis KV entry expires (default: never; "
+                        "Redis's maxmemory policy evicts)")
     args = parser.parse_args(own)
-    # the llm model reads these in its own process (the server's environment is inherited)
+    # the llm model reads these in its own process (the server's environment is inherited), never
+    # from its config: paths and passwords stay out of model metadata
     os.environ["KVFORGE_PREFIX_CACHE"] = "1" if args.prefix_cache == "on" else "0"
-    if args.kv_host_bytes is not None:
-        if args.kv_host_bytes < 0:
-            parser.error("--kv-host-bytes must be >= 0")
-        os.environ["KVFORGE_KV_HOST_BYTES"] = str(args.kv_host_bytes)
+    for flag, value, env in (("--kv-host-bytes", args.kv_host_bytes, "KVFORGE_KV_HOST_BYTES"),
+                             ("--kv-disk-bytes", args.kv_disk_bytes, "KVFORGE_KV_DISK_BYTES"),
+                             ("--kv-redis-ttl", args.kv_redis_ttl, "KVFORGE_KV_REDIS_TTL")):
+        if value is not None:
+            if value < 0 or (value == 0 and flag != "--kv-host-bytes"):
+                parser.error(f"{flag} must be {'>= 0' if flag == '--kv-host-bytes' else '> 0'}")
+            os.environ[env] = str(value)
+    if args.kv_disk_dir is not None:
+        os.environ["KVFORGE_KV_DISK_DIR"] = str(args.kv_disk_dir.resolve())
+    if args.kv_redis_url:
+        if not args.kv_redis_url.startswith(("redis://", "rediss://")):
+            parser.error("--kv-redis-url must start with redis:// or rediss://")
+        os.environ["KVFORGE_KV_REDIS_URL"] = args.kv_redis_url
     # a plain `kill` (or docker stop) must stop the server too, not orphan it
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 

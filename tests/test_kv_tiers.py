@@ -243,3 +243,96 @@ def test_engines_share_blocks_through_redis_and_survive_its_death(fp32, redis_se
         fresh = RNG.integers(3, 4000, 200).tolist()
         assert run(b, fresh).cached_tokens == 0  # Redis gone: misses, the request is served
         assert tier(b, "redis")["errors"] >= 1
+
+
+# ---------------------------------------------------------------- through real tritonservers
+
+PASSWORD = "s3cret-redis-password"
+LONG_PROMPT = "def load(path):\n" + "".join(f"    value_{i} = read(path, {i}) * {i % 7}\n" for i in range(60))
+
+
+class EnvironmentOf:
+    """The KVFORGE_* environment one replica's model process starts with (set only around its start)."""
+
+    def __init__(self, **env):
+        self.env = env
+
+    def __enter__(self):
+        self.saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def start_replica(repo, **env):
+    from runtime.triton_server import TritonServer
+
+    http, grpc, metrics = free_ports(3)
+    server = TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics)
+    with EnvironmentOf(**env):
+        server.start()
+    return server
+
+
+def series(server) -> dict[str, float]:
+    """Every kvforge_* series, keyed with its labels' tier ('name' or 'name/tier')."""
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("kvforge_"):
+            name, value = line.rsplit(" ", 1)
+            tier_label = [p.split('"')[1] for p in name.split(",") if p.lstrip("{").startswith("tier=")]
+            values[name.split("{")[0] + (f"/{tier_label[0]}" if tier_label else "")] = float(value)
+    return values
+
+
+def wait_for_series(server, condition, what):
+    wait_for(lambda: condition(series(server)), what)
+    return series(server)
+
+
+def test_two_replicas_share_a_prefix_through_redis_and_a_restart_hits_disk(exports, tmp_path):
+    from engines.repository import write_repository
+    from tests.test_prefix_cache import post_generate
+
+    repo = tmp_path / "repo"
+    write_repository(exports(max_seq_len=2048), repo, slots=4)
+    disk = tmp_path / "kv-disk"
+    with RedisServer(free_ports(1)[0], password=PASSWORD) as redis_server:
+        a = start_replica(repo, KVFORGE_KV_REDIS_URL=redis_server.url, KVFORGE_KV_DISK_DIR=str(disk))
+        try:
+            cold = post_generate(a, text_input=LONG_PROMPT, max_tokens=16)[1]
+            assert cold["cached_tokens"] == 0
+            wait_for_series(a, lambda m: m.get("kvforge_kv_tier_written_bytes_total/redis", 0) > 0
+                            and m["kvforge_kv_tier_write_queue_blocks"] == 0, "replica A's blocks in Redis")
+            b = start_replica(repo, KVFORGE_KV_REDIS_URL=redis_server.url)
+            try:
+                warm = post_generate(b, text_input=LONG_PROMPT, max_tokens=16)[1]
+                assert warm["cached_tokens"] >= 512 and warm["text_output"] == cold["text_output"]
+                m = wait_for_series(b, lambda m: m.get("kvforge_kv_tier_hit_tokens_total/redis", 0) > 0,
+                                    "replica B's Redis hits")
+                assert m["kvforge_kv_tier_hit_tokens_total/redis"] == warm["cached_tokens"]
+                assert m["kvforge_kv_tier_read_bytes_total/redis"] > 0 and m["kvforge_kv_tier_errors_total/redis"] == 0
+                # the password and the disk path reach no config, metadata, metrics, log or error
+                status, bad = post_generate(b, text_input=LONG_PROMPT, max_tokens=-1)
+                assert status == 400
+                seen = "".join([urllib.request.urlopen(f"http://{b.http_url}/v2/models/llm{suffix}", timeout=10)
+                                .read().decode() for suffix in ("", "/config")]
+                               + [urllib.request.urlopen(s.metrics_url, timeout=10).read().decode() for s in (a, b)]
+                               + [json.dumps(bad), a.log_path.read_text(), b.log_path.read_text()])
+                assert PASSWORD not in seen and str(disk) not in seen
+            finally:
+                b.stop()
+        finally:
+            a.stop()
+    # replica A again, Redis gone: its disk answers
+    a = start_replica(repo, KVFORGE_KV_DISK_DIR=str(disk))
+    try:
+        again = post_generate(a, text_input=LONG_PROMPT, max_tokens=16)[1]
+        assert again["cached_tokens"] == warm["cached_tokens"] and again["text_output"] == cold["text_output"]
+        m = wait_for_series(a, lambda m: m.get("kvforge_kv_tier_hit_tokens_total/disk", 0) > 0, "disk hits")
+        assert m["kvforge_kv_tier_enabled/disk"] == 1 and m["kvforge_kv_tier_bytes/disk"] > 0
+    finally:
+        a.stop()
