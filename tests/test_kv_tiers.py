@@ -336,3 +336,60 @@ def test_two_replicas_share_a_prefix_through_redis_and_a_restart_hits_disk(expor
         assert m["kvforge_kv_tier_enabled/disk"] == 1 and m["kvforge_kv_tier_bytes/disk"] > 0
     finally:
         a.stop()
+
+
+def test_a_request_loads_from_a_paused_redis_while_the_batch_keeps_decoding(fp32, redis_server):
+    """CLIENT PAUSE stalls every Redis command for a while: the loading request waits off the step
+    loop while a running one decodes; once prefill speed is measured, a load slower than recomputing
+    is given up at its deadline and the request is recomputed, with the same output."""
+    import redis
+
+    other = RNG.integers(3, 4000, 300).tolist()
+    with LLMEngine(fp32, kv_redis_url=redis_server.url) as first:
+        expected = [r.token_ids for r in first.generate([PROMPT, other], GREEDY)]
+    control = redis.Redis.from_url(redis_server.url)
+    with LLMEngine(fp32, kv_redis_url=redis_server.url) as engine:
+        tokens, first_of = [], {}
+
+        def on_output(out):
+            tokens.append(out.request_id)
+            first_of.setdefault(out.request_id, len(tokens))
+
+        # a one-token prompt never runs a prefill step, so nothing is measured yet: the load may take 2 s
+        runner = engine.submit([5], SamplingParams(max_tokens=400), on_output)
+        wait_for(lambda: runner in first_of, "the running request's first token")
+        control.execute_command("CLIENT", "PAUSE", 700, "ALL")
+        loaded = engine.submit(PROMPT, GREEDY, on_output)
+        wait_for(lambda: engine.stats()["loading"] == 1, "the request to wait in the loading state")
+        wait_for(lambda: loaded in first_of, "the loaded request's first token")
+        during = sum(1 for i in tokens[first_of[runner]:first_of[loaded]] if i == runner)
+        assert during >= 10, "the running request stalled while the other one loaded"
+        engine.cancel(runner)
+        warm = engine.generate([PROMPT], GREEDY)[0]  # now from RAM
+        assert warm.token_ids == expected[0]
+        assert tier(engine, "redis")["hit_blocks"] == HIT_TOKENS // 16
+
+        control.execute_command("CLIENT", "PAUSE", 900, "ALL")
+        recomputed = engine.generate([other], GREEDY)[0]
+        assert recomputed.token_ids == expected[1] and recomputed.cached_tokens == 0
+        assert engine.stats()["tier_loads_expired"] == 1
+
+
+def test_a_full_write_queue_drops_and_counts_and_a_stop_drains_the_rest(codec, redis_server):
+    import redis
+
+    from runtime.kv_tiers import LowerTiers
+
+    control = redis.Redis.from_url(redis_server.url)
+    tiers = LowerTiers(codec, None, RedisTier(redis_server.url, codec), wake=lambda: None, queue_blocks=4)
+    control.execute_command("CLIENT", "PAUSE", 500, "ALL")  # the writer stalls on its first batch
+    blocks = random_block(codec)
+    hashes = [i.to_bytes(16, "little") for i in range(12)]
+    one = {name: array[None] for name, array in blocks.items()}
+    tiers.store(hashes[:1], one)
+    wait_for(lambda: tiers.writes.qsize() == 0, "the writer to take the first block")  # and stall on it
+    for h in hashes[1:]:
+        tiers.store([h], one)  # returns at once, full or not
+    assert tiers.stats()["tier_write_dropped_blocks"] == 11 - 4  # the queue holds 4
+    tiers.close()
+    assert control.dbsize() == 1 + 4
