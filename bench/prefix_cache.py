@@ -157,28 +157,12 @@ def multi_turn(engines: dict, texts: Texts, s: Shape) -> dict:
 
 
 def closed_loop(engine, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
-    jobs: queue.Queue = queue.Queue()
-    for p in prompts:
-        jobs.put(p)
-    results, lock = [], threading.Lock()
+    from bench.serving import level
 
-    def worker():
-        while True:
-            try:
-                prompt = jobs.get_nowait()
-            except queue.Empty:
-                return
-            r = engine_request(engine, prompt, max_tokens)
-            with lock:
-                results.append(r)
-
-    began = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - began
+    run = level(concurrency, prompts, max_tokens, lambda p, n: engine_request(engine, p, n), total=len(prompts))
+    if run["errors"]:
+        raise RuntimeError(f"shared-document requests failed: {run['errors'][:3]}")
+    results, wall = run["records"], run["wall_s"]
     return {"wall_s": round(wall, 3), "requests_per_s": round(len(results) / wall, 3),
             "generated_tokens_per_s": round(sum(r["tokens"] for r in results) / wall, 2),
             "ttft": spread([r["ttft_s"] for r in results]),
