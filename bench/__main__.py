@@ -28,8 +28,10 @@ def prepare(p, artifacts: Artifacts, sections: set[str]) -> None:
     for model in {p.model, p.quality_model}:
         artifacts.checkpoint(model)  # materialize presets once, before any parallel export
     jobs = []
-    if sections & {"layouts", "cache", "peers", "roofline", "weights", "serving", "prefix_cache", "kv_tiers"}:
+    if sections & {"layouts", "cache", "peers", "roofline", "weights", "serving", "prefix_cache"}:
         jobs += [(p.model, layout, "fp32") for layout in ("concat", "inplace")]
+    if "kv_tiers" in sections:
+        jobs.append((p.model, "inplace", "fp32"))
     if "kv_dtypes" in sections:
         jobs += [(p.quality_model, "inplace", d) for d in common.runnable_kv_dtypes()]
     if sections & {"weights", "prefix_cache", "kv_tiers"}:
