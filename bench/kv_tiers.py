@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import Params, say
-from bench.prefix_cache import Texts, engine_request, spread
+from bench.prefix_cache import engine_request, section_engine, spread
 
 
 @dataclass(frozen=True)
@@ -44,9 +44,7 @@ def run(params: Params, artifacts) -> dict:
     from runtime.triton_server import free_ports
 
     s = shape(params.quick)
-    model = params.quality_model if params.quick else params.model
-    engine_dir = artifacts.engine(artifacts.export(model, "inplace", "fp32"), "fp32", params.threads)
-    texts = Texts(engine_dir)
+    model, engine_dir, texts = section_engine(params, artifacts)
     load_at_start = os.getloadavg()
     points, bandwidth, dropped = [], {"disk": [], "redis": []}, []
 

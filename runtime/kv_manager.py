@@ -35,6 +35,7 @@ from runtime.kv_tiers import LowerTiers
 from runtime.runner_api import Blocks, Runner
 from runtime.sequence import Sequence
 
+SWAP_RESERVE = 0.5  # share of the host pool that swapped-out rows may take; beyond it, preempt by recompute
 HASH_BYTES = 16  # 128-bit names: no collision between the blocks of any realistic cache
 MAX_CACHE_SALT_BYTES = 256
 # Default pool budget: a quarter of the machine's RAM, at most 8 GiB (pages are committed only
@@ -160,12 +161,16 @@ class KVManager:
     """Not thread-safe: the scheduler calls it under the engine's lock."""
 
     def __init__(self, runner: Runner, slots: int, kv_cache_bytes: int, pool: HostBlockPool | None,
-                 namespace: bytes, tiers: LowerTiers | None = None):
+                 namespace: bytes, tiers: LowerTiers | None = None, optimistic: bool = False):
         self.runner = runner
         self.slots = slots
         self.kv_cache_bytes = kv_cache_bytes
         self.pool = pool
         self.namespace = namespace
+        # optimistic: admit on what sequences hold now, and preempt (swap / recompute) when they
+        # outgrow the budget; else reserve each promise (prompt + max_tokens) up front
+        self.optimistic = optimistic
+        self.swapped_blocks = 0  # pool blocks holding swapped-out rows, within SWAP_RESERVE of the pool
         self.tiers = tiers  # disk / Redis below the pool (runtime/kv_tiers.py); needs the pool
         # request id -> pool blocks a loading request holds (its RAM hit and what arrived), so
         # promoting the rest of its prefix cannot evict the head
@@ -190,11 +195,38 @@ class KVManager:
     def fits_ever(self, seq: Sequence) -> bool:
         return self._slot_bytes(1, seq.max_tokens_total) <= self.kv_cache_bytes
 
+    def _needs(self, seq: Sequence) -> int:
+        """Capacity seq needs: its promise when reserving, else what the next step writes (at most all its tokens)."""
+        return len(seq.tokens) if self.optimistic else seq.max_tokens_total
+
     def can_admit(self, seq: Sequence, running: list[Sequence]) -> bool:
         if len(running) >= self.slots:
             return False
-        longest = max([s.max_tokens_total for s in running] + [seq.max_tokens_total])
+        longest = max(self._needs(s) for s in [*running, seq])
         return self._slot_bytes(self._rows_for(len(running) + 1), longest) <= self.kv_cache_bytes
+
+    def fits(self, running: list[Sequence]) -> bool:
+        """Whether the next step of `running` fits the budget (always true when reserving)."""
+        return self._slot_bytes(self._rows_for(len(running)), max(map(self._needs, running))) <= self.kv_cache_bytes
+
+    def preempt(self, seq: Sequence, row: int) -> list[int] | None:
+        """seq leaves the batch for now: its row goes to pool blocks (returned; None when the swap
+        reserve is used up or there is no pool: seq will be recomputed from its tokens). Requests
+        waiting for blocks it announced compute them themselves."""
+        for h in seq.block_hashes:
+            if self.in_flight.get(h) == seq.request_id:
+                del self.in_flight[h]
+        blocks = -(-seq.num_cached // self.block_tokens)
+        swapped = None
+        if self.pool is not None and self.swapped_blocks + blocks <= SWAP_RESERVE * self.pool.num_blocks:
+            swapped = self.swap_out(seq, row)
+        if swapped is None:
+            if self.pool is not None:
+                self.pool.release(seq.pool_blocks[::-1])
+            seq.pool_blocks, seq.num_stored_blocks, seq.num_cached, seq.stores_blocks = [], 0, 0, True
+        else:
+            self.swapped_blocks += len(swapped)
+        return swapped
 
     def make_room(self, sequences: int) -> None:
         """Enough runner rows for `sequences` packed rows (the ones before keep their KV)."""
@@ -216,6 +248,14 @@ class KVManager:
         capacity = self.runner.bucket_for(max((s.num_cached + 1 for s in running), default=1))
         slots = self.runner.slots if running else 1
         if capacity < self.runner.capacity or slots < self.runner.slots:
+            self.runner.resize(capacity, len(running), slots=slots)
+            self.counters["resizes"] += 1
+
+    def refit(self, running: list[Sequence]) -> None:
+        """After a preemption: exactly the rows and capacity `running` needs, within the budget again."""
+        capacity = self.runner.bucket_for(max(s.num_cached + 1 for s in running))
+        slots = self._rows_for(len(running))
+        if (capacity, slots) != (self.runner.capacity, self.runner.slots):
             self.runner.resize(capacity, len(running), slots=slots)
             self.counters["resizes"] += 1
 
@@ -329,7 +369,10 @@ class KVManager:
         blocks are no longer coming."""
         if self.pool is not None:
             self.pool.release(seq.pool_blocks[::-1])
-        seq.pool_blocks = []
+            if seq.swapped_blocks is not None:  # cancelled while preempted
+                self.pool.release(seq.swapped_blocks)
+                self.swapped_blocks -= len(seq.swapped_blocks)
+        seq.pool_blocks, seq.swapped_blocks = [], None
         self._drop_loading_refs(seq)
         for h in seq.block_hashes:
             if self.in_flight.get(h) == seq.request_id:
@@ -356,6 +399,7 @@ class KVManager:
         self.fit_capacity(seq.num_cached + 1, rows)
         self.runner.write_blocks(row, 0, self.pool.get(blocks))
         self.pool.release(blocks)
+        self.swapped_blocks = max(0, self.swapped_blocks - len(blocks))
 
     def stats(self) -> dict:
         pool = self.pool

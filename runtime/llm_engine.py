@@ -39,11 +39,16 @@ class LLMEngine:
                  kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, prefill_tokens: int = PREFILL_TOKENS,
                  threads: int | None = None, prefix_cache: bool = True, kv_host_bytes: int | None = None,
                  kv_disk_dir: Path | str | None = None, kv_disk_bytes: int = DEFAULT_KV_DISK_BYTES,
-                 kv_redis_url: str | None = None, kv_redis_ttl: int | None = None):
+                 kv_redis_url: str | None = None, kv_redis_ttl: int | None = None, admission: str = "optimistic"):
         """prefix_cache: reuse the KV of repeated prompt prefixes from a host RAM pool of
         kv_host_bytes (default: a quarter of RAM, at most 8 GiB), and below it from files in
         kv_disk_dir (at most kv_disk_bytes) and from the Redis at kv_redis_url (keys expire after
-        kv_redis_ttl seconds if given), which other replicas of the same model share."""
+        kv_redis_ttl seconds if given), which other replicas of the same model share.
+        admission: "optimistic" admits on the KV sequences hold now and, when they outgrow
+        kv_cache_bytes, preempts the youngest (its row swapped to the host pool, or recomputed
+        beyond the swap reserve); "reserve" promises every request prompt + max_tokens up front."""
+        if admission not in ("optimistic", "reserve"):
+            raise ValueError(f"admission must be 'optimistic' or 'reserve', got {admission!r}")
         engine_dir = Path(engine_dir)
         manifest = Manifest.load(engine_dir)
         if manifest.kv_layout != "inplace":
@@ -67,7 +72,8 @@ class LLMEngine:
             self.tiers = LowerTiers(codec, DiskTier(Path(kv_disk_dir), kv_disk_bytes, codec) if kv_disk_dir else None,
                                     RedisTier(kv_redis_url, codec, kv_redis_ttl) if kv_redis_url else None,
                                     wake=self._wake)
-        self.kv = KVManager(self.runner, self.limits.slots, self.limits.kv_cache_bytes, pool, namespace, self.tiers)
+        self.kv = KVManager(self.runner, self.limits.slots, self.limits.kv_cache_bytes, pool, namespace, self.tiers,
+                            optimistic=admission == "optimistic")
         self.scheduler = Scheduler(self.runner, self.kv, self.limits.max_waiting, prefill_tokens)
         self._ids = itertools.count(1)
         self._closed = False

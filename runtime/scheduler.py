@@ -54,7 +54,8 @@ class Scheduler:
         self.last_kind = "decode"
         self.counters = dict(steps=0, prefill_steps=0, decode_steps=0, mixed_steps=0, max_rows=0,
                              multi_row_steps=0, prompt_tokens=0, generated_tokens=0, finished=0,
-                             cancelled=0, prefix_waits=0, tier_loads_expired=0)
+                             cancelled=0, prefix_waits=0, tier_loads_expired=0, preempted_swap=0,
+                             preempted_recompute=0)
         self.prefill_tokens_per_second: float | None = None  # measured, for the load-or-recompute choice
 
     def add(self, seq: Sequence) -> None:
@@ -80,11 +81,19 @@ class Scheduler:
         sequence is computing right now lets the ones behind it go first and waits for it."""
         outputs = [(seq, self._cancel(seq)) for seq in map(self.requests.get, self.cancelled) if seq]
         self.cancelled.clear()
+        while len(self.running) > 1 and not self.kv.fits(self.running):
+            self._preempt()
         for request_id in self.kv.finish_loads():
             if request_id in self.requests:
                 self.requests[request_id].load_deadline = None
         now = time.monotonic()
         for seq in list(self.waiting):
+            if seq.swapped_blocks is not None:  # preempted: it resumes first, with its own KV
+                if not self.kv.can_admit(seq, self.running):
+                    break
+                self.waiting.remove(seq)
+                self._place(seq, [])
+                continue
             if seq.load_deadline is not None:  # its prefix is coming from disk / Redis
                 if now < seq.load_deadline:
                     continue
@@ -137,7 +146,23 @@ class Scheduler:
             self.kv.move(row, len(self.running), decoding.num_cached)
             self.running.append(decoding)
             self.running[row] = seq
-        self.kv.admit(seq, row, hit, len(self.running))
+        if seq.swapped_blocks is not None:
+            self.kv.swap_in(seq, row, seq.swapped_blocks, len(self.running))
+            seq.swapped_blocks = None
+        else:
+            self.kv.admit(seq, row, hit, len(self.running))
+
+    def _preempt(self) -> None:
+        """The youngest running sequence goes back to the front of the queue (its KV swapped to
+        the host pool, or dropped for recompute beyond the swap reserve)."""
+        seq = max(self.running, key=lambda s: s.request_id)
+        row = self.running.index(seq)
+        seq.swapped_blocks = self.kv.preempt(seq, row)
+        self.counters["preempted_swap" if seq.swapped_blocks is not None else "preempted_recompute"] += 1
+        self._vacate(row)
+        self.kv.refit(self.running)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
 
     def _next_batch(self) -> Batch:
         pending = [s.pending for s in self.running]
@@ -214,12 +239,17 @@ class Scheduler:
         if done:
             self._shrink()
 
-    def _remove(self, row: int) -> None:
+    def _vacate(self, row: int) -> Sequence:
+        """Take the sequence of `row` out of the batch; the last row moves into the hole."""
         seq, last = self.running[row], len(self.running) - 1
         if row != last:
             self.kv.move(last, row, self.running[last].num_cached)
             self.running[row] = self.running[last]
         self.running.pop()
+        return seq
+
+    def _remove(self, row: int) -> None:
+        seq = self._vacate(row)
         self.kv.release(seq)
         del self.requests[seq.request_id]
 

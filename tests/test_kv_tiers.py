@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.request
 
@@ -393,3 +394,42 @@ def test_a_full_write_queue_drops_and_counts_and_a_stop_drains_the_rest(codec, r
     assert tiers.stats()["tier_write_dropped_blocks"] == 11 - 4  # the queue holds 4
     tiers.close()
     assert control.dbsize() == 1 + 4
+
+
+# ---------------------------------------------------------------- preemption instead of reservation
+
+@pytest.mark.parametrize("pool_blocks", [None, 2])
+def test_optimistic_admission_preempts_without_changing_output(fp32, pool_blocks):
+    """A 512-token slot budget: reservation runs 2 of these at a time (each promises 160 tokens,
+    the 256 bucket); optimistic admission starts all 6 and preempts the youngest as they grow -
+    swapping their rows to the host pool, or (a 2-block pool: beyond the swap reserve) recomputing
+    them. Greedy outputs are the same and the slot buffers never exceed the budget."""
+    budget = 512 * Manifest.load(fp32).kv_bytes_per_token
+    prompts = [RNG.integers(3, 4000, 40 + i).tolist() for i in range(6)]
+    params = SamplingParams(max_tokens=120)
+    options = dict(slots=8, kv_cache_bytes=budget, prefix_cache=pool_blocks is None or pool_blocks > 0)
+    if pool_blocks is not None:
+        options["kv_host_bytes"] = pool_blocks * kv_block_spec(Manifest.load(fp32)).bytes_per_block
+    with LLMEngine(fp32, admission="reserve", **options) as reserving:
+        expected = [o.token_ids for o in reserving.generate(prompts, params)]
+        reserved_rows = reserving.stats()["max_rows"]
+    with LLMEngine(fp32, **options) as engine:
+        tokens = {i: [] for i in range(len(prompts))}
+        peak, done = [], threading.Semaphore(0)
+
+        def collect(i, out):
+            peak.append(engine.runner.kv_bytes_allocated)  # on the engine thread, between steps
+            tokens[i] += out.token_ids
+            if out.finished:
+                done.release()
+
+        for i, prompt in enumerate(prompts):
+            engine.submit(prompt, params, lambda out, i=i: collect(i, out))
+        for _ in prompts:
+            assert done.acquire(timeout=120)
+        stats = engine.stats()
+    assert [tokens[i] for i in range(len(prompts))] == expected
+    assert reserved_rows == 2 and stats["max_rows"] >= 2 * reserved_rows
+    swapped, recomputed = stats["preempted_swap"], stats["preempted_recompute"]
+    assert (swapped > 0 and recomputed == 0) if pool_blocks is None else recomputed > 0, stats
+    assert max(peak) <= budget
