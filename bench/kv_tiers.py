@@ -6,7 +6,7 @@ tier only serves it from disk (the page cache is dropped first when the machine 
 else the file reads are hot and the table says so); an engine with the Redis tier only, i.e.
 replica B, serves it from Redis. Every engine is warmed up on a short unrelated prompt first,
 so its prefill rate is measured and the load-or-recompute deadline is live, as in serving.
-Load bandwidth per tier = the tier's measured read rate (bytes over load latency).
+Load bandwidth per tier = bytes read from the tier over the time its reads took.
 """
 from __future__ import annotations
 
@@ -73,7 +73,8 @@ def run(params: Params, artifacts) -> dict:
                     try:
                         results[tier] = engine_request(e, prompt, 1)
                         stats = e.stats()["tiers"][tier]
-                        bandwidth[tier].append(stats["bandwidth_bytes_per_second"])
+                        if stats["read_seconds"]:
+                            bandwidth[tier].append(stats["read_bytes"] / stats["read_seconds"])
                     finally:
                         e.close()
                 for tier, r in results.items():

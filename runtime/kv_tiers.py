@@ -104,8 +104,9 @@ class TierStats:
     def __init__(self, name: str):
         self.name = name
         self.counters = dict(hit_blocks=0, miss_blocks=0, read_bytes=0, written_bytes=0, written_blocks=0,
-                             evicted_blocks=0, errors=0, corrupt_blocks=0)
+                             evicted_blocks=0, errors=0, corrupt_blocks=0, read_seconds=0.0)
         self.bandwidth = INITIAL_BANDWIDTH[name]
+        self.measured_bandwidth = False
         self.latency = 0.0
         self.latencies: deque[float] = deque(maxlen=LATENCY_SAMPLES)
         self.lock = threading.Lock()
@@ -118,7 +119,10 @@ class TierStats:
         with self.lock:
             self.latencies.append(seconds)
             if nbytes:
-                self.bandwidth = 0.7 * self.bandwidth + 0.3 * nbytes / max(seconds, 1e-6)
+                rate = nbytes / max(seconds, 1e-6)
+                self.bandwidth = 0.7 * self.bandwidth + 0.3 * rate if self.measured_bandwidth else rate
+                self.measured_bandwidth = True
+                self.counters["read_seconds"] += seconds
 
     def estimate(self, nbytes: int) -> float:
         """Seconds a load of nbytes is expected to take."""
