@@ -370,10 +370,13 @@ def test_a_request_loads_from_a_paused_redis_while_the_batch_keeps_decoding(fp32
         assert warm.token_ids == expected[0]
         assert tier(engine, "redis")["hit_blocks"] == HIT_TOKENS // 16
 
-        control.execute_command("CLIENT", "PAUSE", 900, "ALL")
+        # now the prefill rate and Redis's (paused) speed are measured: recomputing wins - the load is
+        # skipped on its estimate, or given up at its deadline, or (a starved engine) times out
+        control.execute_command("CLIENT", "PAUSE", 3000, "ALL")
         recomputed = engine.generate([other], GREEDY)[0]
         assert recomputed.token_ids == expected[1] and recomputed.cached_tokens == 0
-        assert engine.stats()["tier_loads_expired"] == 1
+        stats = engine.stats()
+        assert stats["tier_loads_abandoned"] + stats["tier_loads_expired"] + tier(engine, "redis")["errors"] >= 1
 
 
 def test_a_full_write_queue_drops_and_counts_and_a_stop_drains_the_rest(codec, redis_server):
