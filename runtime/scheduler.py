@@ -55,7 +55,7 @@ class Scheduler:
         self.counters = dict(steps=0, prefill_steps=0, decode_steps=0, mixed_steps=0, max_rows=0,
                              multi_row_steps=0, prompt_tokens=0, generated_tokens=0, finished=0,
                              cancelled=0, prefix_waits=0, tier_loads_expired=0, preempted_swap=0,
-                             preempted_recompute=0)
+                             preempted_recompute=0, row_steps=0)
         self.prefill_tokens_per_second: float | None = None  # measured, for the load-or-recompute choice
 
     def add(self, seq: Sequence) -> None:
@@ -228,6 +228,7 @@ class Scheduler:
         c["steps"] += 1
         c[f"{batch.kind}_steps"] += 1
         c["max_rows"] = max(c["max_rows"], rows)
+        c["row_steps"] += rows  # over steps: the mean running batch
         c["multi_row_steps"] += rows > 1
         self.last_kind = batch.kind
 
