@@ -155,7 +155,9 @@ def run(params: Params, artifacts) -> dict:
     return {
         "model": model, "engine": str(engine_dir), "shape": s.__dict__, "points": points,
         "admission": admission(params, artifacts, s),
-        "load_bandwidth_bytes_per_s": {tier: round(sorted(v)[len(v) // 2]) for tier, v in bandwidth.items() if v},
+        # None: nothing was read from the tier (every load judged slower than recomputing, or missed)
+        "load_bandwidth_bytes_per_s": {tier: round(sorted(v)[len(v) // 2]) if v else None
+                                       for tier, v in bandwidth.items()},
         "page_cache_dropped": all(dropped),
         "load_average": {"start": list(load_at_start), "end": list(os.getloadavg())},
         "method": "TTFT = submit to first generated token (greedy, in-process LLMEngine); cold and RAM on engine "
@@ -236,7 +238,8 @@ def markdown(section: dict, table) -> list[str]:
             "TTFT median in ms; warm tiers with the TTFT reduction against cold and the tokens the last run took "
             "from the tier (0: the engine judged recomputing faster, or the load missed its deadline):", "",
             *table(["prompt tokens", "cold", "RAM", "disk (restarted)", "Redis (replica B)", "same greedy text"], rows),
-            "", "Load bandwidth (measured read rate): " + ", ".join(f"{t} {v / 1e9:.2f} GB/s" for t, v in bw.items()),
+            "", "Load bandwidth (bytes over read time): " + ", ".join(
+                f"{t} {v / 1e9:.2f} GB/s" if v else f"{t} - (nothing read)" for t, v in bw.items()),
             "", section["method"], "", *admission_markdown(section["admission"], table)]
 
 

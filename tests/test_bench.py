@@ -132,7 +132,10 @@ def test_kv_tiers_structure(quick_run):
         assert p["cached_tokens"]["cold"] == 0 and p["cached_tokens"]["ram"] > 0
         assert p["cached_tokens"].keys() == {"cold", "ram", "disk", "redis"}
         assert all({"median_ms", "percent_of_cold", "reduction_percent"} <= p[t].keys() for t in ("ram", "disk", "redis"))
-    assert section["load_bandwidth_bytes_per_s"].keys() == {"disk", "redis"}
+    bandwidth = section["load_bandwidth_bytes_per_s"]
+    assert bandwidth.keys() == {"disk", "redis"} and all(v is None or v > 0 for v in bandwidth.values())
+    assert section["admission"]["same_outputs"] and section["admission"]["optimistic"]["peak_kv_bytes"] <= \
+        section["admission"]["kv_cache_bytes"]
     assert sum(t["target"].startswith("KV tiers:") for t in results["targets"]) == 5
 
 
