@@ -436,3 +436,9 @@ def test_optimistic_admission_preempts_without_changing_output(fp32, pool_blocks
     swapped, recomputed = stats["preempted_swap"], stats["preempted_recompute"]
     assert (swapped > 0 and recomputed == 0) if pool_blocks is None else recomputed > 0, stats
     assert max(peak) <= budget
+
+
+def test_a_bad_redis_url_is_refused_without_repeating_its_password(codec):
+    with pytest.raises(ValueError, match="KV Redis URL is not valid") as refused:
+        RedisTier(f"http://:{PASSWORD}@127.0.0.1:1/0", codec)
+    assert PASSWORD not in str(refused.value)
