@@ -30,12 +30,13 @@ class RequestOutput:
     error: str | None = None
     prompt_tokens: int = 0
     output_tokens: int = 0
+    queue_seconds: float | None = None  # on the last output: how long the request waited for a slot
 
     def merge(self, later: "RequestOutput") -> "RequestOutput":
         """This output followed by the request's next one, as a single output."""
         return RequestOutput(self.request_id, self.text + later.text, self.token_ids + later.token_ids,
                              later.finished, later.finish_reason, later.error, later.prompt_tokens,
-                             later.output_tokens)
+                             later.output_tokens, later.queue_seconds)
 
 
 @dataclass
@@ -52,6 +53,9 @@ class Sequence:
     reserved_blocks: int = 0
     finish_reason: str | None = None
     arrived: float = field(default_factory=time.perf_counter)
+    admitted: float | None = None  # when it got a slot
+    queue_deadline: float | None = None  # perf_counter time by which it must have a slot
+    deadline: float | None = None  # perf_counter time by which it must have finished
 
     def __post_init__(self):
         self.tokens = list(self.prompt_ids)
@@ -104,6 +108,7 @@ class Sequence:
         self.status, self.finish_reason = Status.FINISHED, reason
         out = self._output(len(self.text))
         out.finished, out.finish_reason, out.error = True, reason, error
+        out.queue_seconds = (self.admitted or time.perf_counter()) - self.arrived
         return out
 
     def _output(self, upto: int) -> RequestOutput:
