@@ -1,15 +1,18 @@
 """ASGI middleware: no request body larger than a bound reaches the app (or Triton behind it).
 
-A declared Content-Length over the bound is refused before anything is read; a chunked body is
-read up to the bound and refused as soon as it passes it. Bodies within the bound are handed on
-whole, so the app never sees a partial one; after the body, `receive` is the server's again
-(the app still hears a client disconnect).
+A body over the bound (declared by Content-Length or counted as chunks arrive) is refused with
+413; up to DISCARD_BYTES of it are read and dropped first, so a client still sending sees the
+answer instead of a reset connection. Bodies within the bound are handed on whole, so the app
+never sees a partial one; after the body, `receive` is the server's again (the app still hears
+a client disconnect).
 """
 from __future__ import annotations
 
 import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+DISCARD_BYTES = 64 << 20
 
 
 async def send_json(send: Send, status: int, body: dict, headers: list[tuple[bytes, bytes]] = ()) -> None:
@@ -34,19 +37,19 @@ class BodyLimit:
         if declared is not None:
             if not declared.isdigit():
                 return await send_json(send, 400, {"error": "Content-Length must be a decimal number"})
-            if int(declared) > self.max_bytes:
-                return await send_json(send, 413, self.too_large(declared.decode()))
         chunks, size, more = [], 0, True
-        while more:
+        while more and size <= DISCARD_BYTES:
             message = await receive()
             if message["type"] == "http.disconnect":
                 return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
+            size += len(message.get("body", b""))
+            if size <= self.max_bytes:
+                chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
-            if size > self.max_bytes:
-                return await send_json(send, 413, self.too_large(f"more than {self.max_bytes}"),
-                                       [(b"connection", b"close")])
+        if size > self.max_bytes:
+            return await send_json(send, 413, self.too_large(declared.decode() if declared else
+                                                             f"more than {self.max_bytes}"),
+                                   [(b"connection", b"close")])
         body, replayed = b"".join(chunks), False
 
         async def replay() -> Message:

@@ -306,10 +306,10 @@ class Supervisor:
         self._started.set()
         failed_probes, next_probe = 0, time.monotonic() + PROBE_SECONDS
         while not self._stop.wait(WATCH_SECONDS):
-            reason = None
+            reason, alive = None, self.server.stubs()  # before poll(): a dead server also has no stubs
             if self.server.process.poll() is not None:
                 reason, detail = "server_exited", f"exit code {self.server.process.returncode}"
-            elif not stubs <= (alive := self.server.stubs()):
+            elif not stubs <= alive:
                 reason, detail = "stub_died", f"stub pid(s) {sorted(stubs - alive)} gone"
             elif time.monotonic() >= next_probe:
                 failed_probes = 0 if self.server.healthy(timeout=2.0) else failed_probes + 1
@@ -417,11 +417,13 @@ class TritonServer:
 
     def __init__(self, repo: Path, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
                  metrics_port: int = 8002, ready_timeout: float = READY_TIMEOUT, log_dir: Path | None = None,
-                 extra_args: list[str] | None = None, control_key: str | None = None):
+                 extra_args: list[str] | None = None, control_key: str | None = None,
+                 launcher_prefix: list[str] | None = None):
         self.repo = Path(repo).resolve()
         self.host, self.ready_timeout = host, ready_timeout
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.extra_args = list(extra_args or [])
+        self.launcher_prefix = list(launcher_prefix or [])  # e.g. a namespace wrapper that execs the rest
         self.control_key = control_key or secrets.token_urlsafe(24)
         self.log_dir = Path(log_dir) if log_dir else None
         self.process: subprocess.Popen | None = None
@@ -448,7 +450,7 @@ class TritonServer:
             self._tmp = Path(tempfile.mkdtemp(prefix="kvforge-server-"))
             self.log_dir = self._tmp
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "runtime.triton_server", "--repo", str(self.repo), "--host", self.host,
+        cmd = [*self.launcher_prefix, sys.executable, "-m", "runtime.triton_server", "--repo", str(self.repo), "--host", self.host,
                "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
                "--metrics-port", str(self.metrics_port), "--ready-timeout", str(self.ready_timeout),
                "--log-dir", str(self.log_dir), *self.extra_args]
