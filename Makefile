@@ -22,7 +22,7 @@ PROMPT ?= def fibonacci(n):
 MAX_TOKENS ?= 64
 SAMPLING ?= --temperature 0.8 --top-p 0.9 --seed 1
 
-.PHONY: setup export verify build-engines serve run test bench clean
+.PHONY: setup export verify build-engines serve run test bench soak clean
 
 setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -44,14 +44,21 @@ build-engines: $(EXPORT_DIR)/manifest.json
 	$(PY) -m engines build $(EXPORT_DIR) --backend $(BACKEND) --weights $(WEIGHTS) --out $(ENGINE_DIR)
 	$(PY) -m engines repository $(ENGINE_DIR) --repo model_repository
 
+# the launcher: the HTTP front on HTTP_PORT, supervised tritonserver (gRPC, metrics); logs in LOG_DIR
+LOG_DIR ?= build/logs
+SERVE := $(PY) -m runtime.triton_server --repo model_repository --host $(HOST) --http-port $(HTTP_PORT) \
+	--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --log-dir $(LOG_DIR)
+SOAK_SECONDS ?= 600
+
 serve: setup
-	$(PY) -m runtime.triton_server --repo model_repository --host $(HOST) \
-		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+	$(SERVE)
 
 run: build-engines
-	$(PY) -m runtime.triton_server --repo model_repository --host $(HOST) \
-		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
-		-- $(PY) -m clients.generate "$(PROMPT)" --url $(HOST):$(GRPC_PORT) --max-tokens $(MAX_TOKENS) $(SAMPLING)
+	$(SERVE) -- $(PY) -m clients.generate "$(PROMPT)" --url $(HOST):$(GRPC_PORT) --max-tokens $(MAX_TOKENS) $(SAMPLING)
+
+# 10 minutes of mixed traffic at concurrency 64 against its own server on free ports
+soak: setup
+	$(PY) -m bench.soak --seconds $(SOAK_SECONDS)
 
 test: setup
 	$(PY) -m pytest -q

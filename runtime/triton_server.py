@@ -352,6 +352,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--http-port", type=int, default=8000, help="the front (proxying Triton's /v2 HTTP API)")
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--triton-http-port", type=int, default=None,
+                        help="Triton's own HTTP port, on 127.0.0.1 only (default: a free port)")
     parser.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT)
     parser.add_argument("--log-dir", type=Path, help="triton.log and kvforge.jsonl (access log and "
                         "supervision events) go here (default: a temporary directory)")
@@ -390,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
                             ("KVFORGE_REQUEST_TIMEOUT", args.request_timeout)):
             if value is not None:
                 model_env[name] = str(value)
-        triton = TritonProcess(repo, args.host, free_ports(1)[0], args.grpc_port, args.metrics_port,
+        triton = TritonProcess(repo, args.host, args.triton_http_port or free_ports(1)[0], args.grpc_port, args.metrics_port,
                                key, log_dir / "triton.log", server_env(model_env))
         supervisor = Supervisor(triton, args.ready_timeout, log_dir)
         config = FrontConfig(triton_http=f"127.0.0.1:{triton.http_port}", triton_grpc=f"127.0.0.1:{args.grpc_port}",

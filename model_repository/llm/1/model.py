@@ -21,9 +21,11 @@ import triton_python_backend_utils as pb_utils
 from runtime.llm_engine import LLMEngine, QueueFullError, RequestError, SamplingParams
 from runtime.triton_server import append_json_line
 
-# is_cancelled() is a round trip to the server, so it is asked per live request every this
-# many seconds, not per token: a cancelled request runs at most this long plus one step
+# is_cancelled() is a round trip to the server, so it is asked per request every this many
+# seconds, not per token: a cancelled request generates at most this long plus one step. One
+# still waiting for a slot costs no compute and is asked less often.
 CANCEL_POLL_SECONDS = 0.02
+WAITING_POLL_SECONDS = 0.2
 METRICS_SECONDS = 0.1
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 UNAVAILABLE = "UNAVAILABLE:"  # the documented prefix of every refusal for load; retry later
@@ -39,7 +41,7 @@ METRICS = [
     ("cancelled", "kvforge_cancelled_requests_total", "Requests ended because their client went away", "COUNTER"),
     ("expired", "kvforge_expired_requests_total", "Requests ended by the queue or request timeout", "COUNTER"),
     ("cancel_poll_seconds", "kvforge_cancel_poll_seconds_total",
-     "Seconds the sender spent asking whether clients went away (the cost of cancellation)", "COUNTER"),
+     "CPU seconds the sender spent asking whether clients went away (the cost of cancellation)", "COUNTER"),
 ]
 # latency histograms (seconds), observed by the sender as responses go out
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
@@ -66,6 +68,7 @@ class Client:
         self.gathered = None
         self.arrived = time.perf_counter()
         self.first_token = self.last_sent = None
+        self.next_poll = 0.0
 
 
 def one_value(request, name, default, convert):
@@ -254,12 +257,13 @@ class TritonPythonModel:
                       total_ms=round(1000 * (now - client.arrived), 2)))
 
     def poll_cancelled(self):
-        started = time.perf_counter()
+        started, now = time.thread_time(), time.monotonic()
         with self.live_lock:
-            clients = list(self.live)
+            clients = [c for c in self.live if c.next_poll <= now]
         for client in clients:
             self.check_cancelled(client)
-        self.poll_seconds += time.perf_counter() - started
+            client.next_poll = now + (CANCEL_POLL_SECONDS if client.first_token else WAITING_POLL_SECONDS)
+        self.poll_seconds += time.thread_time() - started
 
     def update_metrics(self):
         stats = dict(self.engine.stats(), cancel_poll_seconds=self.poll_seconds)
