@@ -50,20 +50,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=ROOT / "build" / "front_latency")
     args = parser.parse_args(argv)
 
-    from engines.repository import write_repository
-    from export.__main__ import export
+    from bench.soak import served_repository
     from runtime.triton_server import TritonServer, free_ports
 
-    export_dir = args.work / "export"
-    if not (export_dir / "manifest.json").is_file():
-        export(args.model, export_dir, "inplace", "fp32", 1024)
-    write_repository(export_dir, args.work / "repo")
+    repo = served_repository(args.model, args.work)
     http, grpc, metrics, triton_http = free_ports(4)
     paths = {"front": f"http://127.0.0.1:{http}", "direct": f"http://127.0.0.1:{triton_http}"}
     one = {name: [] for name in paths}
     per_token = {name: [] for name in paths}
     gaps = {name: [] for name in paths}
-    with TritonServer(args.work / "repo", http_port=http, grpc_port=grpc, metrics_port=metrics,
+    with TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics,
                       extra_args=["--triton-http-port", str(triton_http)]):
         for base in paths.values():  # warm-up
             post(f"{base}/v2/models/llm/generate", {"text_input": PROMPT, "max_tokens": 4})

@@ -9,8 +9,9 @@ An "error" is anything a well-behaved server would not answer: a 5xx other than 
 for load, a bad request not answered 4xx, a good request that fails, or a hang (client
 timeout). It reports errors by kind, p50/p99 latency per kind, RSS of the launcher, tritonserver
 and its stubs at the start and end, the cancellation latency (client disconnect to the engine's
-"cancelled" log line, via the request id) and the CPU the llm model spent polling for
-cancellations (share of one core); JSON to --out, a markdown table to stdout.
+"cancelled" log line, via the request id; and from the model seeing it to the engine's last
+output) and the CPU the llm model spent polling for cancellations (share of one core); JSON to
+--out, a markdown table to stdout.
 """
 from __future__ import annotations
 
@@ -176,6 +177,18 @@ class Worker:
         return "error", "a bad request was accepted"
 
 
+def served_repository(model: str, work: Path) -> Path:
+    """A model repository under work/ for model (exported once, inplace fp32, 1024 context)."""
+    from engines.repository import write_repository
+    from export.__main__ import export
+
+    export_dir = work / "export"
+    if not (export_dir / "manifest.json").is_file():
+        export(model, export_dir, "inplace", "fp32", 1024)
+    write_repository(export_dir, work / "repo")
+    return work / "repo"
+
+
 def percentile(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)) * 1000, 1) if values else None
 
@@ -189,14 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=ROOT / "build" / "soak")
     args = parser.parse_args(argv)
 
-    from engines.repository import write_repository
-    from export.__main__ import export
     from runtime.triton_server import TritonServer, free_ports
 
-    export_dir = args.work / "export"
-    if not (export_dir / "manifest.json").is_file():
-        export(args.model, export_dir, "inplace", "fp32", 1024)
-    write_repository(export_dir, args.work / "repo")
+    repo = served_repository(args.model, args.work)
     http, grpc, metrics = free_ports(3)
     stats = defaultdict(lambda: {"outcomes": Counter(), "latency": [], "examples": []})
     cancels: dict[str, float] = {}
@@ -205,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     if logs.exists():
         for old in logs.iterdir():
             old.unlink()
-    with TritonServer(args.work / "repo", http_port=http, grpc_port=grpc, metrics_port=metrics, log_dir=logs) as server:
+    with TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics, log_dir=logs) as server:
         from clients.api import LLMClient
 
         LLMClient(server.grpc_url).generate(PROMPTS[0], max_tokens=4)  # warm-up
@@ -230,11 +238,13 @@ def main(argv: list[str] | None = None) -> int:
         poll = metric(server, "kvforge_cancel_poll_seconds_total") - poll0
         rss_end = rss_kib(service_pids(server))
         restarts = [json.loads(l) for l in (logs / "kvforge.jsonl").read_text().splitlines() if '"restart"' in l]
-        engine = {}
+        engine, stop_ms = {}, []
         for line in (logs / "kvforge.jsonl").read_text().splitlines():
             record = json.loads(line)
             if record.get("source") == "engine" and record.get("finish_reason") == "cancelled":
                 engine[record["request_id"]] = record["time"]
+                if record.get("stop_ms") is not None:
+                    stop_ms.append(record["stop_ms"])
         cancel_ms = [1000 * (engine[r] - left) for r, left in cancels.items() if r in engine]
         ready_at_end = server.ready()
     kinds = {kind: {"outcomes": dict(s["outcomes"]), "p50_ms": percentile(s["latency"], 50),
@@ -251,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
                               "p50": round(statistics.median(cancel_ms), 1) if cancel_ms else None,
                               "p99": round(float(np.percentile(cancel_ms, 99)), 1) if cancel_ms else None,
                               "max": round(max(cancel_ms), 1) if cancel_ms else None},
+        "engine_stop_after_cancel_seen_ms": {"count": len(stop_ms),
+                                             "p50": round(statistics.median(stop_ms), 2) if stop_ms else None,
+                                             "p99": round(float(np.percentile(stop_ms, 99)), 2) if stop_ms else None},
         "cancel_poll_cpu_percent_of_a_core": round(100 * poll / wall, 3),
         "method": "closed loop, one thread per concurrent client; cancel latency = engine's cancelled log "
                   "line time - client's disconnect time (wall clocks of one machine)",

@@ -94,7 +94,8 @@ def create_proxy_app(config: FrontConfig, not_ready: Callable[[], str | None], a
         reason = not_ready()
         if reason:
             return JSONResponse({"error": reason}, 503)
-        return await proxy(request)
+        # a load balancer asks every few seconds: not worth an access-log line each
+        return await forward(request, b"", request_id_of(request), logged=False)
 
     async def generate(request: Request) -> Response:
         request_id = request_id_of(request)
@@ -111,7 +112,7 @@ def create_proxy_app(config: FrontConfig, not_ready: Callable[[], str | None], a
     async def proxy(request: Request) -> Response:
         return await forward(request, await request.body(), request_id_of(request))
 
-    async def forward(request: Request, body: bytes, request_id: str) -> Response:
+    async def forward(request: Request, body: bytes, request_id: str, logged: bool = True) -> Response:
         started = time.perf_counter()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in DROPPED_HEADERS}
         if headers.get("content-type", "").startswith("application/x-www-form-urlencoded"):
@@ -139,8 +140,9 @@ def create_proxy_app(config: FrontConfig, not_ready: Callable[[], str | None], a
             status = upstream.status_code
             if status == 400 and queue_full(error_message(content)):
                 status = 503
-            log(dict(record, status=status, bytes_out=len(content),
-                     total_ms=round(1000 * (time.perf_counter() - started), 2)))
+            if logged:
+                log(dict(record, status=status, bytes_out=len(content),
+                         total_ms=round(1000 * (time.perf_counter() - started), 2)))
             extra = {"Retry-After": str(RETRY_AFTER_SECONDS)} if status == 503 else {}
             return Response(content, status, headers={**response_headers(upstream), "X-Request-ID": request_id,
                                                       **extra})

@@ -36,6 +36,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 from kvforge.cli import fail_cleanly
 
@@ -137,6 +138,27 @@ def control_key(key_file: Path = DEFAULT_KEY_FILE) -> tuple[str, str]:
     return key, str(key_file)
 
 
+def http_ready(address: str, timeout: float) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{address}/v2/health/ready", timeout=timeout) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def wait_ready(process: subprocess.Popen, ready: Callable[[], bool], timeout: float, what: str,
+               log_tail: Callable[[], str]) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise ServerError(f"{what} exited with code {process.returncode} before it was ready; "
+                              f"log tail:\n{log_tail()}")
+        if ready():
+            return
+        time.sleep(0.1)
+    raise ServerError(f"{what} was not ready within {timeout:.0f} s; log tail:\n{log_tail()}")
+
+
 def _die_with_parent() -> None:
     """In the child before exec: SIGKILL it when the thread that started it goes away, so a
     killed launcher never leaves a server running (the supervisor thread starts every server)."""
@@ -200,24 +222,10 @@ class TritonProcess:
             raise
 
     def healthy(self, timeout: float = 1.0) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/v2/health/ready",
-                                        timeout=timeout) as response:
-                return response.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        return http_ready(f"127.0.0.1:{self.http_port}", timeout)
 
     def _wait_ready(self, ready_timeout: float) -> None:
-        deadline = time.monotonic() + ready_timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise ServerError(f"tritonserver exited with code {self.process.returncode} before it was "
-                                  f"ready; log tail:\n{self.log_tail()}")
-            if self.healthy():
-                return
-            time.sleep(0.1)
-        raise ServerError(f"tritonserver was not ready within {ready_timeout:.0f} s; "
-                          f"log tail:\n{self.log_tail()}")
+        wait_ready(self.process, self.healthy, ready_timeout, "tritonserver", self.log_tail)
 
     def stubs(self) -> set[int]:
         """Pids of the server's live python-backend stubs (its children; zombies are dead)."""
@@ -468,22 +476,10 @@ class TritonServer:
         return self
 
     def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
-                return response.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        return http_ready(self.http_url, timeout=2.0)
 
     def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise ServerError(f"the launcher exited with code {self.process.returncode}; log tail:\n"
-                                  f"{self.log_tail()}")
-            if self.ready():
-                return
-            time.sleep(0.1)
-        raise ServerError(f"the server was not ready within {timeout:.0f} s; log tail:\n{self.log_tail()}")
+        wait_ready(self.process, self.ready, timeout, "the launcher", self.log_tail)
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         tails = []

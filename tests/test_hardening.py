@@ -176,6 +176,16 @@ def test_control_apis_need_the_key_and_the_rest_stays_open(service):
         assert service.control_key not in log.read_text(errors="replace"), log.name
 
 
+def test_control_apis_stay_restricted_on_every_host():
+    from runtime.triton_server import TritonProcess
+
+    command = TritonProcess(Path("repo"), "0.0.0.0", 1, 2, 3, "k" * 20, Path("log"), {}).command(Path("b"))
+    restricted = "model-repository,logging,trace,shared-memory:kvforge-key=" + "k" * 20
+    assert f"--http-restricted-api={restricted}" in command
+    assert f"--grpc-restricted-protocol={restricted}" in command
+    assert "--http-address=127.0.0.1" in command  # Triton's own HTTP stays private: the front owns HOST
+
+
 # ---------------------------------------------------------------- 2. bodies bounded, server supervised
 
 def test_big_bodies_are_refused_before_triton_sees_them(service):

@@ -67,7 +67,7 @@ class Client:
         self.cancelled = self.finished = False
         self.gathered = None
         self.arrived = time.perf_counter()
-        self.first_token = self.last_sent = None
+        self.first_token = self.last_sent = self.cancel_seen = None
         self.next_poll = 0.0
 
 
@@ -208,7 +208,7 @@ class TritonPythonModel:
     def check_cancelled(self, client):
         """True once the client went away; the engine then ends the request with a "cancelled" output."""
         if client.request_id is not None and not client.cancelled and client.sender.is_cancelled():
-            client.cancelled = True
+            client.cancelled, client.cancel_seen = True, time.perf_counter()
             self.engine.cancel(client.request_id)
         return client.cancelled
 
@@ -254,7 +254,9 @@ class TritonPythonModel:
                       finish_reason=out.finish_reason, error=out.error and out.error[:200],
                       queue_ms=round(1000 * (out.queue_seconds or 0), 2),
                       ttft_ms=round(1000 * ttft, 2) if ttft is not None else None,
-                      total_ms=round(1000 * (now - client.arrived), 2)))
+                      total_ms=round(1000 * (now - client.arrived), 2),
+                      # from seeing the cancellation to the engine's last output: at most one step
+                      stop_ms=round(1000 * (now - client.cancel_seen), 2) if client.cancel_seen else None))
 
     def poll_cancelled(self):
         started, now = time.thread_time(), time.monotonic()
