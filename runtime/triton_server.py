@@ -18,7 +18,6 @@ SIGINT/SIGTERM; with it, COMMAND runs once the server is ready and its exit code
 from __future__ import annotations
 
 import argparse
-import asyncio
 import ctypes
 import json
 import os
@@ -378,6 +377,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import uvloop
+
     from frontend.config import DEFAULT_MAX_BODY_BYTES, FrontConfig
     from frontend.server import serve
 
@@ -410,8 +411,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[kvforge] serving: HTTP {args.host}:{args.http_port} (front), gRPC {args.host}:{args.grpc_port}, "
                   f"metrics http://{args.host}:{args.metrics_port}/metrics; control key from {key_source} "
                   f"(header {CONTROL_KEY_HEADER}); logs in {log_dir}", file=sys.stderr, flush=True)
-            return asyncio.run(serve(config, supervisor, args.host, args.http_port, log_dir,
-                                     args.drain_seconds, command))
+            return uvloop.run(serve(config, supervisor, args.host, args.http_port, log_dir,
+                                    args.drain_seconds, command))
         except ServerError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1

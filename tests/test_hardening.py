@@ -335,6 +335,8 @@ def test_one_request_id_from_the_front_to_the_engine_and_no_prompt_in_the_log(se
     assert engine["source"] == "engine" and engine["output_tokens"] == 5 and engine["finish_reason"] == "length"
     assert engine["prompt_tokens"] > 0 and engine["ttft_ms"] > 0
     assert "confidential_function_name_zq9" not in (service.log_dir / "kvforge.jsonl").read_text()
+    assert len(LLMClient(service.grpc_url).generate(PROMPT, max_tokens=100).token_ids) == 100  # a stream
+    wait_until(lambda: metric(service, "kvforge_inter_token_seconds_count") > 0, "inter-token times")
     for name in ("kvforge_time_to_first_token_seconds", "kvforge_inter_token_seconds",
                  "kvforge_queue_wait_seconds", "kvforge_request_seconds"):
         assert metric(service, f"{name}_count") > 0, name
