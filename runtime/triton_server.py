@@ -53,6 +53,10 @@ CONTROL_KEY_HEADER = "kvforge-key"
 CONTROL_KEY_ENV = "KVFORGE_CONTROL_KEY"
 DEFAULT_KEY_FILE = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "kvforge" / "control.key"
 STUB_NAME = "triton_python_backend_stub"
+STUB_INSTANCE_ARG = 8  # the python backend starts a stub as: stub model.py shm ... instance_name ...
+# A model reloaded or unloaded by the key holder replaces or ends its stub: a stub missing this
+# long is checked against the models Triton has ready before it counts as dead.
+STUB_GRACE_SECONDS = 0.5
 
 
 class ServerError(RuntimeError):
@@ -137,9 +141,10 @@ def control_key(key_file: Path = DEFAULT_KEY_FILE) -> tuple[str, str]:
     return key, str(key_file)
 
 
-def http_ready(address: str, timeout: float) -> bool:
+def http_ready(address: str, timeout: float, probe: str = "ready") -> bool:
+    """Whether /v2/health/<probe> answers 200 ("live": the server works; "ready": and every model is)."""
     try:
-        with urllib.request.urlopen(f"http://{address}/v2/health/ready", timeout=timeout) as response:
+        with urllib.request.urlopen(f"http://{address}/v2/health/{probe}", timeout=timeout) as response:
             return response.status == 200
     except (urllib.error.URLError, OSError):
         return False
@@ -220,28 +225,40 @@ class TritonProcess:
             self.stop()
             raise
 
-    def healthy(self, timeout: float = 1.0) -> bool:
-        return http_ready(f"127.0.0.1:{self.http_port}", timeout)
+    def healthy(self, timeout: float = 1.0, probe: str = "ready") -> bool:
+        return http_ready(f"127.0.0.1:{self.http_port}", timeout, probe)
 
     def _wait_ready(self, ready_timeout: float) -> None:
         wait_ready(self.process, self.healthy, ready_timeout, "tritonserver", self.log_tail)
 
-    def stubs(self) -> set[int]:
-        """Pids of the server's live python-backend stubs (its children; zombies are dead)."""
-        pids = set()
+    def stubs(self) -> set[str]:
+        """Instance names (e.g. llm_0_0) of the server's live python-backend stubs (its children;
+        zombies are dead). The stub's command line carries its instance name."""
+        names = set()
         try:
             children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text().split()
         except OSError:
-            return pids
+            return names
         for pid in children:
             try:
                 stat = Path(f"/proc/{pid}/stat").read_text()
+                args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
             name, state = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2]
-            if STUB_NAME.startswith(name) and state not in "ZX":
-                pids.add(int(pid))
-        return pids
+            if STUB_NAME.startswith(name) and state not in "ZX" and len(args) > STUB_INSTANCE_ARG:
+                names.add(args[STUB_INSTANCE_ARG].decode(errors="replace"))
+        return names
+
+    def ready_models(self) -> set[str] | None:
+        """Models the server has READY (the repository index needs the key); None if it does not answer."""
+        request = urllib.request.Request(f"http://127.0.0.1:{self.http_port}/v2/repository/index", data=b"{}",
+                                         headers={CONTROL_KEY_HEADER: self.key}, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=2.0) as response:
+                return {m["name"] for m in json.loads(response.read()) if m.get("state") == "READY"}
+        except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError):
+            return None
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         """Triton's error lines (one per failure, naming the model and the Python traceback), then the tail."""
@@ -307,19 +324,27 @@ class Supervisor:
             self._error = e
             self._started.set()
             return
-        stubs = self.server.stubs()
+        expected, missing = self.server.stubs(), {}
         self.state = "ready"
-        event(self.log_dir, "ready", stubs=len(stubs))
+        event(self.log_dir, "ready", stubs=len(expected))
         self._started.set()
         failed_probes, next_probe = 0, time.monotonic() + PROBE_SECONDS
         while not self._stop.wait(WATCH_SECONDS):
             reason, alive = None, self.server.stubs()  # before poll(): a dead server also has no stubs
+            now = time.monotonic()
+            expected |= alive  # a model the key holder loaded is watched too
+            missing = {name: missing.get(name, now) for name in expected - alive}
             if self.server.process.poll() is not None:
                 reason, detail = "server_exited", f"exit code {self.server.process.returncode}"
-            elif not stubs <= alive:
-                reason, detail = "stub_died", f"stub pid(s) {sorted(stubs - alive)} gone"
-            elif time.monotonic() >= next_probe:
-                failed_probes = 0 if self.server.healthy(timeout=2.0) else failed_probes + 1
+            elif overdue := [name for name, since in missing.items() if now - since >= STUB_GRACE_SECONDS]:
+                ready = self.server.ready_models()
+                dead = [name for name in overdue if ready is None or name.rsplit("_", 2)[0] in ready]
+                expected -= set(overdue) - set(dead)  # unloaded on purpose: no stub expected
+                if dead:
+                    reason, detail = "stub_died", f"stub(s) {sorted(dead)} gone"
+            elif now >= next_probe:
+                # live, not ready: a model the key holder is loading makes the server unready, not hung
+                failed_probes = 0 if self.server.healthy(timeout=2.0, probe="live") else failed_probes + 1
                 next_probe = time.monotonic() + PROBE_SECONDS
                 if failed_probes >= PROBE_FAILURES:
                     reason, detail = "server_hung", f"{failed_probes} health probes failed"
@@ -338,10 +363,10 @@ class Supervisor:
                 except ServerError as e:
                     event(self.log_dir, "restart_failed", error=str(e).splitlines()[0])
                     self._stop.wait(1.0)
-            stubs, failed_probes = self.server.stubs(), 0
+            expected, missing, failed_probes = self.server.stubs(), {}, 0
             if not self._stop.is_set():
                 self.state = "ready"
-                event(self.log_dir, "ready", stubs=len(stubs), after_s=round(time.monotonic() - started, 2))
+                event(self.log_dir, "ready", stubs=len(expected), after_s=round(time.monotonic() - started, 2))
 
     def stop(self) -> None:
         self.state = "stopping"

@@ -171,6 +171,8 @@ def test_control_apis_need_the_key_and_the_rest_stays_open(service):
     wait_until(lambda: request(service, "/v2/models/uploaded/ready")[0] != 200, "the upload unloaded")
     assert request(service, "/v2/repository/models/step/load", b"{}", key)[0] == 200
     assert serves(service)
+    time.sleep(1.0)  # longer than the supervisor's grace for a replaced stub
+    assert not [e for e in events(service) if e.get("event") == "restart"]  # reload and unload are no deaths
     # the key is never written to a log
     for log in service.log_dir.iterdir():
         assert service.control_key not in log.read_text(errors="replace"), log.name

@@ -265,7 +265,8 @@ class TritonPythonModel:
         for client in clients:
             self.check_cancelled(client)
             client.next_poll = now + (CANCEL_POLL_SECONDS if client.first_token else WAITING_POLL_SECONDS)
-        self.poll_seconds += time.thread_time() - started
+        if clients:  # an idle server's counter stays put
+            self.poll_seconds += time.thread_time() - started
 
     def update_metrics(self):
         stats = dict(self.engine.stats(), cancel_poll_seconds=self.poll_seconds)
