@@ -54,7 +54,7 @@ class Scheduler:
         self.last_kind = "decode"
         self.counters = dict(steps=0, prefill_steps=0, decode_steps=0, mixed_steps=0, max_rows=0,
                              multi_row_steps=0, prompt_tokens=0, generated_tokens=0, finished=0,
-                             cancelled=0, prefix_waits=0, tier_loads_expired=0, preempted_swap=0,
+                             cancelled=0, expired=0, prefix_waits=0, tier_loads_expired=0, preempted_swap=0,
                              preempted_recompute=0, row_steps=0)
         self.prefill_tokens_per_second: float | None = None  # measured, for the load-or-recompute choice
 
@@ -81,6 +81,7 @@ class Scheduler:
         sequence is computing right now lets the ones behind it go first and waits for it."""
         outputs = [(seq, self._cancel(seq)) for seq in map(self.requests.get, self.cancelled) if seq]
         self.cancelled.clear()
+        outputs += self._expire(time.perf_counter())
         while len(self.running) > 1 and not self.kv.fits(self.running):
             self._preempt()
         for request_id in self.kv.finish_loads():
@@ -133,9 +134,25 @@ class Scheduler:
         self.counters["cancelled"] += 1
         return seq.finish("cancelled")
 
+    def _expire(self, now: float) -> list[tuple[Sequence, RequestOutput]]:
+        """End requests past their deadline: still waiting for a slot, or running too long."""
+        outputs = []
+        for seq in [s for s in self.waiting if s.queue_deadline is not None and now > s.queue_deadline]:
+            self.waiting.remove(seq)
+            self.kv.release(seq)  # what a loading or preempted request holds
+            del self.requests[seq.request_id]
+            outputs.append((seq, seq.finish("timeout", f"the request waited {now - seq.arrived:.1f} s for a "
+                                                       "free slot (the queue timeout); retry later")))
+        for seq in [s for s in self.running if s.deadline is not None and now > s.deadline]:
+            outputs.append((seq, seq.finish("timeout", f"the request ran {now - seq.arrived:.1f} s, past the "
+                                                       "server's request timeout, and was ended")))
+        self.counters["expired"] += len(outputs)
+        self._drop_finished()
+        return outputs
+
     def _place(self, seq: Sequence, hit: list[int]) -> None:
         """Append seq as a row, swapping it in front of the first decoding row."""
-        seq.status = Status.RUNNING
+        seq.status, seq.admitted = Status.RUNNING, time.perf_counter()
         self.kv.make_room(len(self.running) + 1)
         row = next((i for i, s in enumerate(self.running) if s.pending == 1), None)
         if row is None:

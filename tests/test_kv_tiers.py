@@ -277,6 +277,10 @@ def start_replica(repo, **env):
     return server
 
 
+def logs(server):
+    return [server.launcher_log, server.log_dir / "triton.log", server.log_dir / "kvforge.jsonl"]
+
+
 def series(server) -> dict[str, float]:
     """Every kvforge_* series, keyed with its labels' tier ('name' or 'name/tier')."""
     text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
@@ -322,7 +326,7 @@ def test_two_replicas_share_a_prefix_through_redis_and_a_restart_hits_disk(expor
                 seen = "".join([urllib.request.urlopen(f"http://{b.http_url}/v2/models/llm{suffix}", timeout=10)
                                 .read().decode() for suffix in ("", "/config")]
                                + [urllib.request.urlopen(s.metrics_url, timeout=10).read().decode() for s in (a, b)]
-                               + [json.dumps(bad), a.log_path.read_text(), b.log_path.read_text()])
+                               + [json.dumps(bad)] + [log.read_text() for s in (a, b) for log in logs(s)])
                 assert PASSWORD not in seen and str(disk) not in seen
             finally:
                 b.stop()
