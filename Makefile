@@ -28,7 +28,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON_BOOT) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -e '.[peers]'
+	$(VENV)/bin/pip install --quiet -e '.[peers,test]'
 	touch $@
 
 export: setup

@@ -90,7 +90,7 @@ class CompletionRequest(Sampling):
     prompt: str | list[str] | list[int]
     max_tokens: int | None = Field(DEFAULT_COMPLETION_TOKENS, ge=1)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=0)  # only the chosen token's log-prob: 0
+    logprobs: int | None = Field(None, ge=0)
     best_of: int | None = None
     logit_bias: dict[str, float] | None = None
     suffix: str | None = None
@@ -116,7 +116,7 @@ class ChatRequest(Sampling):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=0)  # only the chosen token's log-prob: 0
+    top_logprobs: int | None = Field(None, ge=0)
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
 
@@ -206,23 +206,23 @@ def triton_error(error: InferenceServerException) -> APIError:
 
 # ---------------------------------------------------------------------- the app
 
+def engine_dir_of(repo: Path, model: str) -> Path:
+    """The engine dir the llm model's config.pbtxt names (relative to the repository)."""
+    config = (repo / model / "config.pbtxt").read_text()
+    found = re.search(r'key: "engine_dir" value: \{ string_value: "([^"]+)" \}', config)
+    if not found:
+        raise ValueError(f"{repo / model / 'config.pbtxt'} names no engine_dir; run `python -m engines repository`")
+    return (repo / found.group(1)).resolve()
+
+
 class OpenAIServer:
     def __init__(self, config: FrontConfig):
         self.config = config
-        engine_dir = self._engine_dir(Path(config.model_repository), config.model)
+        engine_dir = engine_dir_of(Path(config.model_repository), config.model)
         self.manifest = Manifest.load(engine_dir)
         self.tokenizer = Tokenizer(engine_dir, self.manifest)
         self.chat_template = ChatTemplate(engine_dir)
         self._client: grpcclient.InferenceServerClient | None = None
-
-    @staticmethod
-    def _engine_dir(repo: Path, model: str) -> Path:
-        """The engine dir the llm model's config.pbtxt names (relative to the repository)."""
-        config = (repo / model / "config.pbtxt").read_text()
-        found = re.search(r'key: "engine_dir" value: \{ string_value: "([^"]+)" \}', config)
-        if not found:
-            raise ValueError(f"{repo / model / 'config.pbtxt'} names no engine_dir; run `python -m engines repository`")
-        return (repo / found.group(1)).resolve()
 
     @property
     def client(self) -> grpcclient.InferenceServerClient:
@@ -277,6 +277,10 @@ def refuse_unsupported(body: Sampling) -> None:
     """Fields whose only value kvforge can honour is their default."""
     if getattr(body, "logit_bias", None):
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    alternatives = "logprobs" if isinstance(body, CompletionRequest) else "top_logprobs"
+    if getattr(body, alternatives):
+        raise APIError(400, f"{alternatives} must be 0: kvforge returns the chosen token's log-prob only, "
+                            "not the most likely alternatives", param=alternatives)
     if isinstance(body, CompletionRequest):
         if body.suffix:
             raise APIError(400, "suffix (insertion) is not supported", param="suffix")

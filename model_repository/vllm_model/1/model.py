@@ -39,11 +39,7 @@ RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_num
 def sampling_parameters(request) -> dict:
     """The sampling options: the `sampling_parameters` input, else the request parameters (as vLLM)."""
     tensor = pb_utils.get_input_tensor_by_name(request, "sampling_parameters")
-    parameters = request_parameters(request)
-    unknown = sorted(set(parameters) - set(SAMPLING) - set(WORDS))
-    if unknown:
-        raise RequestError(f"unknown sampling parameters {', '.join(unknown)}; {NAME} reads "
-                           f"{', '.join(sorted([*SAMPLING, *WORDS]))}")
+    parameters = known(request_parameters(request))
     if tensor is None:
         return parameters
     try:
@@ -52,6 +48,10 @@ def sampling_parameters(request) -> dict:
         raise RequestError(f"sampling_parameters is not a JSON object: {e}") from None
     if not isinstance(options, dict):
         raise RequestError("sampling_parameters must be a JSON object")
+    return known(options)
+
+
+def known(options: dict) -> dict:
     unknown = sorted(set(options) - set(SAMPLING) - set(WORDS))
     if unknown:
         raise RequestError(f"unknown sampling parameters {', '.join(unknown)}; {NAME} reads "
@@ -85,7 +85,7 @@ def llm_inputs(request):
         try:
             number = coerce(value)
         except (TypeError, ValueError):
-            raise RequestError(f"{key} must be a {coerce.__name__}, got {value!r}") from None
+            raise RequestError(f"{key} must be {'an integer' if coerce is int else 'a number'}, got {value!r}") from None
         if key == "top_k" and number == -1:
             number = 0  # vLLM's "off"
         if key == "seed" and number < 0:
