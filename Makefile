@@ -57,6 +57,7 @@ test: setup
 	$(PY) -m pytest -q
 
 bench: setup
+	$(VENV)/bin/pip install --quiet -e '.[peers,test,bench]'
 	$(PY) -m bench $(if $(QUICK),--quick,)
 
 clean:
