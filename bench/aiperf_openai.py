@@ -52,7 +52,7 @@ def start_api(server, repo: Path, port: int) -> multiprocessing.Process:
 
 def one_level(url: str, engine_dir: Path, endpoint: str, concurrency: int, requests: int, prompt_tokens: int,
               new_tokens: int, out: Path) -> dict:
-    command = [str(Path(sys.executable).with_name("aiperf")), "profile", "--model", "llm", "--url", url,
+    command = [str(aiperf_command()), "profile", "--model", "llm", "--url", url,
                "--endpoint-type", endpoint, "--streaming", "--concurrency", str(concurrency),
                "--request-count", str(requests), "--warmup-request-count", str(min(concurrency, 4)),
                "--isl", str(prompt_tokens), "--osl", str(new_tokens),
@@ -75,10 +75,18 @@ def one_level(url: str, engine_dir: Path, endpoint: str, concurrency: int, reque
             "output_tokens": int(data["total_output_tokens"]["avg"])}
 
 
+def aiperf_command() -> Path:
+    return Path(sys.executable).with_name("aiperf")
+
+
 def run(server, repo: Path, engine_dir: Path, concurrency: tuple[int, ...], requests_for, prompt_tokens: int,
         new_tokens: int, work: Path, say) -> dict:
+    """aiperf at each concurrency level on both endpoint types; skipped (saying so) where aiperf is
+    not installed: `make bench` installs the bench extra, `make setup` (and so `make test`) does not."""
     from runtime.triton_server import free_ports
 
+    if not aiperf_command().is_file():
+        return {"skipped": f"aiperf is not installed in {Path(sys.executable).parent} (make bench installs it)"}
     port, = free_ports(1)
     api = start_api(server, repo, port)
     try:

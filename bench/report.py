@@ -382,6 +382,8 @@ def _md_serving(serving: dict) -> list[str]:
 def _md_aiperf(aiperf: dict | None) -> list[str]:
     if not aiperf:
         return []
+    if "skipped" in aiperf:
+        return ["", f"OpenAI-compatible API (aiperf): skipped, {aiperf['skipped']}."]
     rows = [[endpoint, r["concurrency"], "error: " + r["error"].strip().splitlines()[-1], "", "", ""]
             if "error" in r else
             [endpoint, r["concurrency"], f"{r['ttft_ms']['p50']:.1f} / {r['ttft_ms']['p99']:.1f}",

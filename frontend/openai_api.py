@@ -257,15 +257,15 @@ class OpenAIServer:
                            param="model", code="model_not_found")
 
     def max_tokens(self, prompt: str | list[int], requested: int | None) -> int:
-        """What the client asked for, or (chat without a limit) the rest of the context."""
+        """What the client asked for, or (no limit given) the rest of the context."""
         if requested is not None:
             return requested
         length = len(prompt) if isinstance(prompt, list) else len(self.tokenizer.encode(prompt))
         return max(1, self.manifest.max_seq_len - length)
 
     def chat_prompt(self, body: ChatRequest) -> str:
-        messages = [{"role": m.role, "content": m.content if not isinstance(m.content, list)
-                     else "".join(part.text for part in m.content), **({"name": m.name} if m.name else {})}
+        messages = [{"role": m.role, "content": "".join(part.text for part in m.content)
+                     if isinstance(m.content, list) else (m.content or ""), **({"name": m.name} if m.name else {})}
                     for m in body.messages]
         try:
             return self.chat_template.render(messages)
@@ -469,8 +469,8 @@ def create_openai_app(config: FrontConfig) -> FastAPI:
         if not prompts or len(prompts) > MAX_PROMPTS:
             raise APIError(400, f"send 1..{MAX_PROMPTS} prompts, got {len(prompts)}", param="prompt")
         logprobs = body.logprobs is not None
-        choices = [Choice(p * body.n + j, p, llm_inputs(prompt, body, body.max_tokens, seed_of(body, j), body.echo,
-                                                           logprobs))
+        choices = [Choice(p * body.n + j, p, llm_inputs(prompt, body, server.max_tokens(prompt, body.max_tokens),
+                                                        seed_of(body, j), body.echo, logprobs))
                    for p, prompt in enumerate(prompts) for j in range(body.n)]
         return await Completion(server, "text", body, choices, logprobs).respond(request)
 
