@@ -16,13 +16,14 @@ EXPORT_DIR ?= build/exports/$(TAG)
 ENGINE_DIR ?= model_repository/llm/1/engine
 HOST ?= 127.0.0.1
 HTTP_PORT ?= 8000
+OPENAI_PORT ?= 9000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 PROMPT ?= def fibonacci(n):
 MAX_TOKENS ?= 64
 SAMPLING ?= --temperature 0.8 --top-p 0.9 --seed 1
 
-.PHONY: setup export verify build-engines serve run test bench clean
+.PHONY: setup export verify build-engines serve run test bench soak clean
 
 setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -44,14 +45,23 @@ build-engines: $(EXPORT_DIR)/manifest.json
 	$(PY) -m engines build $(EXPORT_DIR) --backend $(BACKEND) --weights $(WEIGHTS) --out $(ENGINE_DIR)
 	$(PY) -m engines repository $(ENGINE_DIR) --repo model_repository
 
+# the launcher: the HTTP front on HTTP_PORT (and the OpenAI API on OPENAI_PORT; empty disables it),
+# supervised tritonserver (gRPC, metrics); logs in LOG_DIR
+LOG_DIR ?= build/logs
+SERVE := $(PY) -m runtime.triton_server --repo model_repository --host $(HOST) --http-port $(HTTP_PORT) \
+	--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --log-dir $(LOG_DIR) \
+	$(if $(OPENAI_PORT),--openai-port $(OPENAI_PORT),)
+SOAK_SECONDS ?= 600
+
 serve: setup
-	$(PY) -m runtime.triton_server --repo model_repository --host $(HOST) \
-		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+	$(SERVE)
 
 run: build-engines
-	$(PY) -m runtime.triton_server --repo model_repository --host $(HOST) \
-		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
-		-- $(PY) -m clients.generate "$(PROMPT)" --url $(HOST):$(GRPC_PORT) --max-tokens $(MAX_TOKENS) $(SAMPLING)
+	$(SERVE) -- $(PY) -m clients.generate "$(PROMPT)" --url $(HOST):$(GRPC_PORT) --max-tokens $(MAX_TOKENS) $(SAMPLING)
+
+# 10 minutes of mixed traffic at concurrency 64 against its own server on free ports
+soak: setup
+	$(PY) -m bench.soak --seconds $(SOAK_SECONDS)
 
 test: setup
 	$(PY) -m pytest -q

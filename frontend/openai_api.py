@@ -34,6 +34,7 @@ from tritonclient.utils import InferenceServerException
 from frontend.chat_template import ChatTemplate, ChatTemplateError
 from frontend.config import FrontConfig
 from kvforge.manifest import Manifest
+from runtime.sampling import quote
 from runtime.tokenizer import Tokenizer
 
 MAX_CHOICES = 8  # n per request: each choice occupies an engine slot
@@ -42,6 +43,7 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completion
 # An error inside a gRPC stream reaches the client as its message only (no status code), so the
 # llm model's server-side failures are told apart by their wording; everything else it refuses
 # (and what Triton refuses before the model runs) is the request's fault: 400.
+BUSY_PREFIX = "UNAVAILABLE:"  # the llm model's refusals for load (queue full, queue timeout)
 BUSY_MARKER = "queue is full"  # runtime.scheduler.QueueFullError: retry later
 SERVER_FAULT_PREFIX = "the engine"  # "the engine step failed: ...", "the engine shut down"
 
@@ -197,7 +199,7 @@ def as_delta(result) -> Delta:
 
 def triton_error(error: InferenceServerException) -> APIError:
     message = error.message()
-    if BUSY_MARKER in message:
+    if message.startswith(BUSY_PREFIX) or BUSY_MARKER in message:
         return APIError(503, message, kind="server_busy")
     if message.startswith(SERVER_FAULT_PREFIX):
         return APIError(500, message, kind="server_error")
@@ -253,7 +255,7 @@ class OpenAIServer:
 
     def check_model(self, body: Sampling) -> None:
         if body.model != self.config.model:
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {self.config.model!r}",
+            raise APIError(404, f"the model {quote(body.model)} does not exist; this server serves {self.config.model!r}",
                            param="model", code="model_not_found")
 
     def max_tokens(self, prompt: str | list[int], requested: int | None) -> int:

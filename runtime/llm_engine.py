@@ -55,8 +55,11 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None,
-               on_output: Callable[[RequestOutput], None] | None = None) -> int:
-        """Queue a request; returns its id. Raises RequestError (QueueFullError when saturated)."""
+               on_output: Callable[[RequestOutput], None] | None = None, *,
+               queue_timeout: float | None = None, timeout: float | None = None) -> int:
+        """Queue a request; returns its id. Raises RequestError (QueueFullError when saturated).
+        A request still waiting for a slot after queue_timeout seconds, or still running after
+        timeout seconds, ends with finish_reason "timeout"."""
         params = params or SamplingParams()
         params.validate()
         ids = self._prompt_ids(prompt)
@@ -77,6 +80,10 @@ class LLMEngine:
         seq = Sequence(next(self._ids), ids, params, on_output or (lambda out: None),
                        IncrementalDetokenizer(self.tokenizer, ids),
                        frozenset(end_ids) | frozenset(params.stop_token_ids))
+        if queue_timeout is not None:
+            seq.queue_deadline = seq.arrived + queue_timeout
+        if timeout is not None:
+            seq.deadline = seq.arrived + timeout
         if not self.scheduler.blocks.fits_ever(seq):
             raise RequestError(f"the request needs {seq.max_tokens_total} KV tokens but the cache holds "
                                f"{self.limits.kv_tokens}; lower max_tokens or shorten the prompt")

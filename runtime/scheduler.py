@@ -15,6 +15,7 @@ short prefix of rows; prefill steps alternate with decode steps and are chunked 
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -57,7 +58,7 @@ class Scheduler:
         self.last_kind = "decode"
         self.counters = dict(steps=0, prefill_steps=0, decode_steps=0, mixed_steps=0, max_rows=0,
                              multi_row_steps=0, prompt_tokens=0, generated_tokens=0, finished=0,
-                             cancelled=0, resizes=0)
+                             cancelled=0, expired=0, resizes=0)
         runner.allocate(blocks.num_slots, runner.bucket_for(1))
 
     def add(self, seq: Sequence) -> None:
@@ -81,6 +82,7 @@ class Scheduler:
         """Apply cancellations, admit what fits, and pick the next step (None when idle)."""
         outputs = [(seq, self._cancel(seq)) for seq in map(self.requests.get, self.cancelled) if seq]
         self.cancelled.clear()
+        outputs += self._expire(time.perf_counter())
         while self.waiting and self.blocks.can_admit(self.waiting[0]):
             self._place(self.waiting.popleft())
         return outputs, (self._next_batch() if self.running else None)
@@ -95,10 +97,25 @@ class Scheduler:
         self.counters["cancelled"] += 1
         return seq.finish("cancelled")
 
+    def _expire(self, now: float) -> list[tuple[Sequence, RequestOutput]]:
+        """End requests past their deadline: still waiting for a slot, or running too long."""
+        outputs = []
+        for seq in [s for s in self.waiting if s.queue_deadline is not None and now > s.queue_deadline]:
+            self.waiting.remove(seq)
+            del self.requests[seq.request_id]
+            outputs.append((seq, seq.finish("timeout", f"the request waited {now - seq.arrived:.1f} s for a "
+                                                       "free slot (the queue timeout); retry later")))
+        for seq in [s for s in self.running if s.deadline is not None and now > s.deadline]:
+            outputs.append((seq, seq.finish("timeout", f"the request ran {now - seq.arrived:.1f} s, past the "
+                                                       "server's request timeout, and was ended")))
+        self.counters["expired"] += len(outputs)
+        self._drop_finished()
+        return outputs
+
     def _place(self, seq: Sequence) -> None:
         """Append seq as a row, swapping it in front of the first decoding row."""
         self.blocks.admit(seq)
-        seq.status = Status.RUNNING
+        seq.status, seq.admitted = Status.RUNNING, time.perf_counter()
         row = next((i for i, s in enumerate(self.running) if s.pending == 1), None)
         if row is None:
             self.running.append(seq)

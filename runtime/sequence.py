@@ -30,6 +30,7 @@ class RequestOutput:
     error: str | None = None
     prompt_tokens: int = 0
     output_tokens: int = 0  # generated so far, this output's tokens included
+    queue_seconds: float | None = None  # on the last output: how long the request waited for a slot
     logprobs: list[float] | None = None  # log p of each of token_ids, when the request asked for them
     cum_logprob: float = 0.0  # sum of the log-probs of every token generated so far
 
@@ -38,7 +39,7 @@ class RequestOutput:
         logprobs = self.logprobs + later.logprobs if self.logprobs is not None and later.logprobs is not None else None
         return RequestOutput(self.request_id, self.text + later.text, self.token_ids + later.token_ids,
                              later.finished, later.finish_reason, later.error, later.prompt_tokens,
-                             later.output_tokens, logprobs, later.cum_logprob)
+                             later.output_tokens, later.queue_seconds, logprobs, later.cum_logprob)
 
 
 @dataclass
@@ -55,6 +56,9 @@ class Sequence:
     reserved_blocks: int = 0
     finish_reason: str | None = None
     arrived: float = field(default_factory=time.perf_counter)
+    admitted: float | None = None  # when it got a slot
+    queue_deadline: float | None = None  # perf_counter time by which it must have a slot
+    deadline: float | None = None  # perf_counter time by which it must have finished
 
     def __post_init__(self):
         self.tokens = list(self.prompt_ids)
@@ -121,6 +125,7 @@ class Sequence:
         self.status, self.finish_reason = Status.FINISHED, reason
         out = self._output(len(self.text))
         out.finished, out.finish_reason, out.error = True, reason, error
+        out.queue_seconds = (self.admitted or time.perf_counter()) - self.arrived
         return out
 
     def _output(self, upto: int) -> RequestOutput:

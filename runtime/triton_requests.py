@@ -12,8 +12,10 @@ import triton_python_backend_utils as pb_utils
 
 from runtime.sampling import RequestError
 
-# Triton reserves the triton_ prefix for its own request parameters
+# Triton reserves the triton_ prefix for its own request parameters; `request_id` is the id the
+# HTTP front (or a gRPC client) gives a request for the access log
 RESERVED_PARAMETER_PREFIX = "triton_"
+LOG_ID_PARAMETER = "request_id"
 
 
 def one_value(request, name, default, convert):
@@ -51,7 +53,7 @@ def either(request, names, convert):
 
 def request_parameters(request) -> dict:
     return {k: v for k, v in json.loads(request.parameters() or "{}").items()
-            if not k.startswith(RESERVED_PARAMETER_PREFIX)}
+            if not k.startswith(RESERVED_PARAMETER_PREFIX) and k != LOG_ID_PARAMETER}
 
 
 def refuse_unknown_parameters(request, allowed=(), model="llm"):

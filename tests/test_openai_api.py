@@ -22,7 +22,8 @@ PROMPT = "def fibonacci(n):"
 
 @contextmanager
 def serve(app):
-    """The app on a free loopback port, served by uvicorn on a thread (as the front process does)."""
+    """An app made here (another config than the launcher's) on a free loopback port, served by
+    uvicorn on a thread."""
     port, = free_ports(1)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -44,8 +45,7 @@ def config(triton, **fields) -> FrontConfig:
 
 @pytest.fixture(scope="module")
 def base_url(triton):
-    with serve(create_openai_app(config(triton))) as url:
-        yield url
+    return triton.openai_url  # the launcher's front serves the API, as `make serve` does
 
 
 @pytest.fixture(scope="module")

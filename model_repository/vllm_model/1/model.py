@@ -13,7 +13,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from runtime.forwarding import FINAL, Forwarder, error, tensor_value
-from runtime.sampling import RequestError
+from runtime.sampling import RequestError, quote
 from runtime.triton_requests import one_value, request_parameters
 
 NAME = "vllm_model"
@@ -77,7 +77,7 @@ def llm_inputs(request):
         if key in WORDS:
             words = [value] if isinstance(value, str) else value
             if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
-                raise RequestError(f"{key} must be a string or a list of strings, got {value!r}")
+                raise RequestError(f"{key} must be a string or a list of strings, got {quote(value)}")
             if words:
                 inputs.append(pb_utils.Tensor(WORDS[key], np.array([[w.encode() for w in words]], np.object_)))
             continue
@@ -85,7 +85,7 @@ def llm_inputs(request):
         try:
             number = coerce(value)
         except (TypeError, ValueError):
-            raise RequestError(f"{key} must be {'an integer' if coerce is int else 'a number'}, got {value!r}") from None
+            raise RequestError(f"{key} must be {'an integer' if coerce is int else 'a number'}, got {quote(value)}") from None
         if key == "top_k" and number == -1:
             number = 0  # vLLM's "off"
         if key == "seed" and number < 0:
