@@ -69,11 +69,7 @@ class SamplingParams:
             raise RequestError(f"top_k must be an integer >= 0 (0 = no limit), got {self.top_k!r}")
         if self.seed is not None and not (isinstance(self.seed, (int, np.integer)) and 0 <= self.seed < 2**64):
             raise RequestError(f"seed must be an unsigned 64-bit integer, got {self.seed!r}")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise RequestError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
-        for s in self.stop:
-            if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS:
-                raise RequestError(f"each stop string must be 1..{MAX_STOP_CHARS} characters, got {quote(s)}")
+        _check_texts(self.stop, "stop strings", "each stop string")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise RequestError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}")
         if self.end_id is not None and (isinstance(self.end_id, bool) or not isinstance(self.end_id, (int, np.integer))):
@@ -87,11 +83,15 @@ class SamplingParams:
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, (int, np.integer)) \
                 or not 0 <= self.min_tokens <= self.max_tokens:
             raise RequestError(f"min_tokens must be an integer in 0..max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
-        if len(self.bad_words) > MAX_STOP_STRINGS:
-            raise RequestError(f"at most {MAX_STOP_STRINGS} bad words, got {len(self.bad_words)}")
-        for s in self.bad_words:
-            if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS:
-                raise RequestError(f"each bad word must be 1..{MAX_STOP_CHARS} characters, got {quote(s)}")
+        _check_texts(self.bad_words, "bad words", "each bad word")
+
+
+def _check_texts(texts: tuple[str, ...], plural: str, each: str) -> None:
+    if len(texts) > MAX_STOP_STRINGS:
+        raise RequestError(f"at most {MAX_STOP_STRINGS} {plural}, got {len(texts)}")
+    for s in texts:
+        if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS:
+            raise RequestError(f"{each} must be 1..{MAX_STOP_CHARS} characters, got {quote(s)}")
 
 
 def _finite(value) -> bool:
