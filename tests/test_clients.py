@@ -306,14 +306,20 @@ def test_cancelling_an_alias_request_cancels_the_llm_request(triton):
     before = settled_metrics(triton)
     for model in ("ensemble", "vllm_model"):
         client = grpcclient.InferenceServerClient(triton.grpc_url)
-        first = threading.Event()
-        client.start_stream(lambda result, error: first.set())
+        first, errors = threading.Event(), []
+
+        def on_response(result, error):
+            errors.append(error)
+            first.set()
+
+        client.start_stream(on_response)
+        # greedy (vLLM's default temperature is 1): the tiny model's greedy text has no early EOS
         inputs = {"text_input": np.array([[PROMPT]]), "max_tokens": np.array([[2000]], np.int32),
                   "stream": np.array([[True]])} if model == "ensemble" else \
             {"text_input": np.array([PROMPT]), "stream": np.array([True]),
-             "sampling_parameters": np.array([json.dumps({"max_tokens": 2000})])}
+             "sampling_parameters": np.array([json.dumps({"max_tokens": 2000, "temperature": 0})])}
         client.async_stream_infer(model, [as_input(k, v) for k, v in inputs.items()])
-        assert first.wait(60)
+        assert first.wait(60) and errors[0] is None, errors
         client.stop_stream(cancel_requests=True)
         client.close()
     after = wait_for_metrics(triton, lambda m: m["kvforge_running_sequences"] == 0
