@@ -23,7 +23,7 @@ import numpy as np
 
 from runtime.kv_manager import KVManager
 from runtime.runner_api import Batch, Runner
-from runtime.sampling import RequestError, sample
+from runtime.sampling import RequestError
 from runtime.sequence import RequestOutput, Sequence, Status
 
 MIX_PADDING_TOKENS = 16
@@ -227,9 +227,7 @@ class Scheduler:
             if seq.pending:
                 continue  # a prompt chunk: nothing to sample yet
             self.counters["generated_tokens"] += 1
-            out = seq.append(sample(logits[b, batch.num_new[b] - 1], seq.params, seq.rng))
-            if out is not None:
-                outputs.append((seq, out))
+            outputs.append((seq, seq.append(*seq.choose(logits[b, batch.num_new[b] - 1]))))
         self._drop_finished()
         return outputs
 
