@@ -344,7 +344,9 @@ def test_triton_reports_cached_tokens_salts_and_clears_behind_the_key(server):
     deadline = time.monotonic() + 10
     while True:  # the model publishes its metrics every 0.1 s
         m = metrics(server)
-        if m.get("kvforge_prefix_cache_hit_tokens_total", 0) >= 2 * second["cached_tokens"] or time.monotonic() > deadline:
+        settled = (m.get("kvforge_prefix_cache_hit_tokens_total", 0) >= 2 * second["cached_tokens"]
+                   and m.get("kvforge_kv_host_pool_bytes", 0) > 0)  # the blocks stored after the clear
+        if settled or time.monotonic() > deadline:
             break
         time.sleep(0.1)
     assert m["kvforge_prefix_cache_hit_tokens_total"] == second["cached_tokens"] * 2
