@@ -139,6 +139,12 @@ def test_kv_tiers_structure(quick_run):
     assert bandwidth.keys() == {"disk", "redis"} and all(v is None or v > 0 for v in bandwidth.values())
     assert section["admission"]["same_outputs"] and section["admission"]["optimistic"]["peak_kv_bytes"] <= \
         section["admission"]["kv_cache_bytes"]
+    runs = section["long_documents"]["runs"]
+    assert list(runs) == ["no caching", "RAM only", "tiers", "RAM + Redis, Redis killed"]
+    for run in runs.values():  # every request of every configuration completes with the uncached greedy text
+        assert run["completed"] == run["requests"] and run["same_text_as_no_caching"]
+    assert runs["no caching"]["cached_tokens_mean"] == 0 and runs["tiers"]["tier_hit_tokens"]["disk"] > 0
+    assert runs["RAM + Redis, Redis killed"]["after_requests"] == section["shape"]["kill_after"]
     assert sum(t["target"].startswith("KV tiers:") for t in results["targets"]) == 5
 
 
