@@ -143,7 +143,7 @@ def test_kv_tiers_structure(quick_run):
     assert list(runs) == ["no caching", "RAM only", "tiers", "RAM + Redis, Redis killed"]
     for run in runs.values():  # every request of every configuration completes with the uncached greedy text
         assert run["completed"] == run["requests"] and run["same_text_as_no_caching"]
-    assert runs["no caching"]["cached_tokens_mean"] == 0 and runs["tiers"]["tier_hit_tokens"]["disk"] > 0
+    assert runs["no caching"]["cached_tokens_mean"] == 0 and runs["tiers"]["tier_hit_tokens"].keys() == {"disk", "redis"}
     assert runs["RAM + Redis, Redis killed"]["after_requests"] == section["shape"]["kill_after"]
     assert sum(t["target"].startswith("KV tiers:") for t in results["targets"]) == 5
 
