@@ -55,8 +55,10 @@ def optimize(src: Path, dst: Path, threads: int) -> None:
 
 
 def parity_drift(export_dir: Path, engine_dir: Path) -> tuple[float, float]:
-    """(max abs logit difference, logit range of the export) on a fixed prefill + decode."""
+    """(max abs logit difference, logit range of the export) on a fixed prefill (every position,
+    as scoring asks) + decode (the sampled position, as generation asks)."""
     from runtime.runner import open_runner
+    from runtime.runner_api import last_positions
 
     runners = [open_runner(export_dir), open_runner(engine_dir)]
     manifest = runners[0].manifest
@@ -72,7 +74,7 @@ def parity_drift(export_dir: Path, engine_dir: Path) -> tuple[float, float]:
     drift, low, high = float(np.abs(expected - built).max()), float(expected.min()), float(expected.max())
     tokens = outs[0][np.arange(rows), lengths - 1].argmax(-1)[:, None]  # both follow the export's tokens
     for _ in range(PARITY_DECODE_STEPS):
-        outs = [r.step(tokens, lengths, np.ones(rows, np.int64)) for r in runners]
+        outs = [r.step(tokens, lengths, np.ones(rows, np.int64), last_positions(np.ones(rows))) for r in runners]
         drift = max(drift, float(np.abs(outs[0] - outs[1]).max()))
         low, high = min(low, float(outs[0].min())), max(high, float(outs[0].max()))
         tokens, lengths = outs[0][:, -1].argmax(-1)[:, None], lengths + 1

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime.kv_manager import KVManager
-from runtime.runner_api import Runner
+from runtime.runner_api import Runner, last_positions
 from runtime.sampling import RequestError, sample
 from runtime.sequence import RequestOutput, Sequence, Status
 
@@ -147,7 +147,8 @@ class Scheduler:
 
     def execute(self, batch: Batch) -> np.ndarray:
         """The only call the engine makes without its lock: it touches nothing but the runner."""
-        return self.runner.step(batch.input_ids, batch.write_positions, batch.num_new)
+        return self.runner.step(batch.input_ids, batch.write_positions, batch.num_new,
+                                last_positions(batch.num_new))
 
     # ------------------------------------------------------------------ after a step
 
@@ -163,7 +164,7 @@ class Scheduler:
             if seq.pending:
                 continue  # a prompt chunk: nothing to sample yet
             self.counters["generated_tokens"] += 1
-            out = seq.append(sample(logits[b, batch.num_new[b] - 1], seq.params, seq.rng))
+            out = seq.append(sample(logits[b, 0], seq.params, seq.rng))  # its last position (execute)
             if out is not None:
                 outputs.append((seq, out))
         self._drop_finished()
