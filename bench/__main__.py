@@ -1,7 +1,7 @@
 """python -m bench [--quick] [--out DIR]: measure what the KV cache buys, against peers, with plots.
 
 Sections (issue 5): cache vs no cache, KV layouts, KV dtypes, peers, serving through Triton,
-roofline, weight quantization. Writes DIR/bench.json, DIR/bench.md and PNG plots; a section
+roofline, weight quantization; (issue 9) prefix caching. Writes DIR/bench.json, DIR/bench.md and PNG plots; a section
 that fails is recorded with its error, the others still run, and the exit code is 1.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 from bench import common
 from bench.common import ROOT, Artifacts, SectionError, params, say
 
-SECTIONS = ("layouts", "cache", "kv_dtypes", "peers", "roofline", "weights", "serving")
+SECTIONS = ("layouts", "cache", "kv_dtypes", "peers", "roofline", "weights", "serving", "prefix_cache")
 RESULT_KEYS = {"cache": "cache_speedup"}  # the issue's name for the section's top-level key
 
 
@@ -28,11 +28,11 @@ def prepare(p, artifacts: Artifacts, sections: set[str]) -> None:
     for model in {p.model, p.quality_model}:
         artifacts.checkpoint(model)  # materialize presets once, before any parallel export
     jobs = []
-    if sections & {"layouts", "cache", "peers", "roofline", "weights", "serving"}:
+    if sections & {"layouts", "cache", "peers", "roofline", "weights", "serving", "prefix_cache"}:
         jobs += [(p.model, layout, "fp32") for layout in ("concat", "inplace")]
     if "kv_dtypes" in sections:
         jobs += [(p.quality_model, "inplace", d) for d in common.runnable_kv_dtypes()]
-    if "weights" in sections:
+    if sections & {"weights", "prefix_cache"}:
         jobs.append((p.quality_model, "inplace", "fp32"))
     with ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(artifacts.export, *job) for job in dict.fromkeys(jobs)]

@@ -187,26 +187,14 @@ def allocate_for(runner, rows: int, tokens: int) -> None:
     runner.allocate(rows, fitting_capacity(runner, tokens))
 
 
-def seed_past(runner, rows: int, length: int, capacity: int) -> None:
-    """Make rows 0..rows-1 look `length` tokens deep without running a prefill (a 4096-token
-    prefill of the benchmark model takes minutes); cache values do not change step time.
-    The in-place layout needs nothing: write_positions alone say how deep a row is. The concat
-    layout has no public way to adopt a past, so its arrays are set directly."""
-    runner.allocate(rows, capacity)
-    if runner.manifest.kv_layout == "inplace":
-        return
-    for name, buf in runner.past.items():
-        runner.past[name] = np.zeros((rows, buf.shape[1], length, buf.shape[3]), buf.dtype)
-    runner.mask = np.ones((rows, length), np.int64)
-
-
 def decode_steps(runner, rows: int, context: int, steps: int, capacity: int | None = None,
                  observe=None) -> list[float]:
     """Seconds of each of `steps` one-token decode steps, the last one ending with `context`
     cached tokens per row (after one untimed warm-up step). `capacity` defaults to the
     smallest that fits; observe(runner, step_index) runs before each step, outside the timing."""
     start = context - steps - 1
-    seed_past(runner, rows, start, capacity or fitting_capacity(runner, context))
+    # a 4096-token prefill of the benchmark model takes minutes; cache values do not change step time
+    runner.allocate_cached(rows, start, capacity or fitting_capacity(runner, context))
     tokens = np.full((rows, 1), 3, np.int64)
     one = np.ones(rows, np.int64)
     times = []
@@ -238,22 +226,20 @@ def summary_ms(seconds: list[float]) -> dict:
 
 
 def generate(runner, prompts: np.ndarray, new_tokens: int) -> dict:
-    """Greedy generation through the Runner: prefill all rows, then one token per row per step.
-    Returns the tokens and the prefill / per-step decode times."""
-    rows, prompt_len = prompts.shape
-    allocate_for(runner, rows, prompt_len + new_tokens)
+    """Greedy generation through the Runner (runtime.greedy): prefill all rows, then one token
+    per row per step. Returns the tokens and the prefill / per-step decode times."""
+    from runtime.greedy import Greedy
+
+    run = Greedy(runner, prompts.tolist(), new_tokens)
     began = time.perf_counter()
-    logits = runner.step(prompts, np.zeros(rows, np.int64), np.full(rows, prompt_len, np.int64))
+    run.prefill()
     prefill = time.perf_counter() - began
-    token = logits[:, -1].argmax(-1)
-    out, steps = [token], []
-    one = np.ones(rows, np.int64)
-    for i in range(new_tokens - 1):
+    out, steps = [run.next_tokens], []
+    for _ in range(new_tokens - 1):
         began = time.perf_counter()
-        logits = runner.step(token[:, None], np.full(rows, prompt_len + i, np.int64), one)
-        token = logits[:, -1].argmax(-1)
+        run.step()
         steps.append(time.perf_counter() - began)
-        out.append(token)
+        out.append(run.next_tokens)
     return {"tokens": np.stack(out, axis=1), "prefill_s": prefill, "step_s": steps}
 
 

@@ -37,10 +37,6 @@ def reset_peak_rss() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def cache_arrays(runner) -> dict[str, np.ndarray]:
-    return runner.buffers if runner.manifest.kv_layout == "inplace" else runner.past
-
-
 def position_sums(buf: np.ndarray, rows: int) -> np.ndarray:
     """[rows, positions] checksums of a cache array, accumulated without a float64 copy of it
     (a copy would show in the next point's peak RSS)."""
@@ -51,7 +47,7 @@ def observe_copy(runner, rows: int, context: int) -> dict:
     """Run one more decode step and observe what it did to the cache arrays: which were
     replaced by new allocations (their bytes were all written again) and, for arrays kept,
     how many token positions changed."""
-    before = {name: (buf.ctypes.data, position_sums(buf, rows)) for name, buf in cache_arrays(runner).items()}
+    before = {name: (buf.ctypes.data, position_sums(buf, rows)) for name, buf in runner.kv_arrays.items()}
     if runner.manifest.kv_layout == "concat":
         runner.resize(context + 1, rows)  # concat can only append: one more column
         write_at = context
@@ -59,7 +55,7 @@ def observe_copy(runner, rows: int, context: int) -> dict:
         write_at = context - 1  # rewrite the last position with another token: same work as a new one
     runner.step(np.full((rows, 1), 4, np.int64), np.full(rows, write_at, np.int64), np.ones(rows, np.int64))
     reallocated_bytes = changed_bytes = changed_positions = replaced = 0
-    for name, buf in cache_arrays(runner).items():
+    for name, buf in runner.kv_arrays.items():
         pointer, sums = before[name]
         if buf.ctypes.data != pointer:
             replaced += 1

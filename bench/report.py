@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from bench import prefix_cache
 from bench.common import write_json
 
-PLOTS = ("cache.png", "layouts.png", "serving.png")
+PLOTS = ("cache.png", "layouts.png", "serving.png", "prefix_cache.png")
 NOT_EVALUATED = None
 
 
@@ -187,7 +188,8 @@ def kv_dtype_target(kv: dict) -> dict:
 def targets(results: dict) -> list[dict]:
     return [cache_target(results.get("cache_speedup")), *layout_targets(results.get("layouts")),
             *peer_targets(results.get("peers"), results.get("roofline")), roofline_target(results.get("roofline")),
-            *serving_targets(results.get("serving")), kv_dtype_target(results.get("kv_dtypes"))]
+            *serving_targets(results.get("serving")), kv_dtype_target(results.get("kv_dtypes")),
+            *prefix_cache.targets(results.get("prefix_cache"), target, _skipped)]
 
 
 # ---------------------------------------------------------------- plots
@@ -403,7 +405,8 @@ def _md_weights(weights: dict) -> list[str]:
 
 
 SECTION_MARKDOWN = {"cache_speedup": _md_cache, "layouts": _md_layouts, "kv_dtypes": _md_kv_dtypes,
-                    "peers": _md_peers, "serving": _md_serving, "roofline": _md_roofline, "weights": _md_weights}
+                    "peers": _md_peers, "serving": _md_serving, "roofline": _md_roofline, "weights": _md_weights,
+                    "prefix_cache": lambda section: prefix_cache.markdown(section, _table)}
 
 
 def markdown(results: dict) -> str:
@@ -442,5 +445,6 @@ def write(results: dict, out: Path) -> None:
     plot_cache(plt, results.get("cache_speedup"), results.get("layouts"), out / "cache.png")
     plot_layouts(plt, results.get("layouts"), out / "layouts.png")
     plot_serving(plt, results.get("serving"), out / "serving.png")
+    prefix_cache.plot(plt, results.get("prefix_cache"), out / "prefix_cache.png")
     write_json(out / "bench.json", results)
     (out / "bench.md").write_text(markdown(results))

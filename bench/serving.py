@@ -74,11 +74,12 @@ def process_cpu_seconds(root_pid: int) -> dict[str, float]:
             "children": sum(s for pid, s in seconds.items() if parents[pid] == root_pid)}
 
 
-def level(concurrency: int, prompts: list[str], max_tokens: int, one_request) -> dict:
-    """One closed-loop run: `concurrency` threads each send their share of requests back to back.
+def level(concurrency: int, prompts: list[str], max_tokens: int, one_request, total: int | None = None) -> dict:
+    """One closed-loop run: `concurrency` threads each send their share of `total` requests
+    (default: by concurrency) back to back, cycling through prompts.
     one_request(prompt, max_tokens) -> list of (seconds since send, tokens in that delta).
     Returns the raw arrivals, errors and wall time; `summarize` turns runs into figures."""
-    total = max(MIN_REQUESTS, min(MAX_REQUESTS, REQUESTS_PER_STREAM * concurrency))
+    total = total or max(MIN_REQUESTS, min(MAX_REQUESTS, REQUESTS_PER_STREAM * concurrency))
     jobs: queue.Queue = queue.Queue()
     for i in range(total):
         jobs.put(prompts[i % len(prompts)])

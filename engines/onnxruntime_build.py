@@ -56,28 +56,22 @@ def optimize(src: Path, dst: Path, threads: int) -> None:
 
 def parity_drift(export_dir: Path, engine_dir: Path) -> tuple[float, float]:
     """(max abs logit difference, logit range of the export) on a fixed prefill (every position,
-    as scoring asks) + decode (the sampled position, as generation asks)."""
+    as scoring asks) + decode."""
+    from runtime.greedy import Greedy
     from runtime.runner import open_runner
-    from runtime.runner_api import last_positions
 
-    runners = [open_runner(export_dir), open_runner(engine_dir)]
-    manifest = runners[0].manifest
+    manifest = Manifest.load(export_dir)
     rng = np.random.default_rng(0)
-    rows, longest = len(PARITY_PROMPT_LENGTHS), max(PARITY_PROMPT_LENGTHS)
-    ids = rng.integers(3, manifest.model.vocab_size, (rows, longest))
-    lengths = np.array(PARITY_PROMPT_LENGTHS, np.int64)
-    for runner in runners:
-        runner.allocate(rows, runner.bucket_for(longest + PARITY_DECODE_STEPS))
-    outs = [r.step(ids, np.zeros(rows, np.int64), lengths) for r in runners]
-    valid = [(out[r, :n] for r, n in enumerate(lengths)) for out in outs]
-    expected, built = (np.concatenate(list(v)) for v in valid)
+    prompts = [rng.integers(3, manifest.model.vocab_size, n).tolist() for n in PARITY_PROMPT_LENGTHS]
+    runs = [Greedy(open_runner(d), prompts, PARITY_DECODE_STEPS) for d in (export_dir, engine_dir)]
+    outs = [run.prefill() for run in runs]
+    expected, built = (np.concatenate([out[r, :len(p)] for r, p in enumerate(prompts)]) for out in outs)
     drift, low, high = float(np.abs(expected - built).max()), float(expected.min()), float(expected.max())
-    tokens = outs[0][np.arange(rows), lengths - 1].argmax(-1)[:, None]  # both follow the export's tokens
     for _ in range(PARITY_DECODE_STEPS):
-        outs = [r.step(tokens, lengths, np.ones(rows, np.int64), last_positions(np.ones(rows))) for r in runners]
+        tokens = runs[0].next_tokens  # both follow the export's tokens
+        outs = [run.step(tokens) for run in runs]
         drift = max(drift, float(np.abs(outs[0] - outs[1]).max()))
         low, high = min(low, float(outs[0].min())), max(high, float(outs[0].max()))
-        tokens, lengths = outs[0][:, -1].argmax(-1)[:, None], lengths + 1
     return drift, high - low
 
 

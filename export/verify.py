@@ -64,38 +64,32 @@ def hf_logits(model, tokens: list[int]) -> np.ndarray:
 
 
 def verify(directory: Path, steps: int = 32, seed: int = 0) -> Report:
+    from runtime.greedy import Greedy
     from runtime.runner import open_runner
 
     manifest = Manifest.load(directory)
-    runner = open_runner(directory)
     reference = reference_model(manifest)
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, manifest.model.vocab_size, n).tolist() for n in PROMPT_LENGTHS]
-    rows, longest = len(prompts), max(PROMPT_LENGTHS)
-    runner.allocate(rows, runner.bucket_for(min(longest + steps, manifest.max_seq_len)))
+    rows = len(prompts)
+    run = Greedy(open_runner(directory), prompts, steps)
 
     with progress(f"prefill of {rows} rows, lengths {list(PROMPT_LENGTHS)}"):
-        ids = np.zeros((rows, longest), np.int64)
-        for r, p in enumerate(prompts):
-            ids[r, :len(p)] = p
-        lengths = np.array(PROMPT_LENGTHS, np.int64)
-        logits = runner.step(ids, np.zeros(rows, np.int64), lengths)
+        logits = run.prefill()
         prefill_diff = max(float(np.abs(logits[r, :len(p)] - hf_logits(reference, p)).max())
                            for r, p in enumerate(prompts))
-        last = logits[np.arange(rows), lengths - 1]
 
     decode_diff, agree = 0.0, 0
     sequences = [list(p) for p in prompts]
     with progress(f"{steps} greedy decode steps, each checked against a full recompute without cache"):
         for _ in range(steps):
-            tokens = last.argmax(-1)
+            tokens = run.next_tokens
             for r in range(rows):
                 expected = hf_logits(reference, sequences[r])[-1]
-                decode_diff = max(decode_diff, float(np.abs(last[r] - expected).max()))
+                decode_diff = max(decode_diff, float(np.abs(run.last[r] - expected).max()))
                 agree += int(tokens[r] == expected.argmax())
                 sequences[r].append(int(tokens[r]))
-            last = runner.step(tokens[:, None], lengths, np.ones(rows, np.int64))[:, 0]
-            lengths = lengths + 1
+            run.step()
     return Report(manifest.kv_dtype, prefill_diff, decode_diff, agree / (steps * rows), steps,
                   TOLERANCE[manifest.kv_dtype])
 

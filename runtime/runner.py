@@ -110,6 +110,10 @@ class OrtInplaceRunner(_OrtRunner):
     def kv_bytes_allocated(self):
         return sum(b.nbytes for b in self.buffers.values())
 
+    @property
+    def kv_arrays(self) -> dict[str, np.ndarray]:
+        return self.buffers
+
     def data_pointers(self) -> list[int]:
         return [b.ctypes.data for b in self.buffers.values()]
 
@@ -122,6 +126,15 @@ class OrtConcatRunner(_OrtRunner):
         self.slots, self.capacity = slots, capacity
         self.past = {past: np.zeros(self._buffer_shape(past, slots, 0), self.dtypes[past]) for past, _ in self.pairs}
         self.mask = np.zeros((slots, 0), np.int64)
+
+    def allocate_cached(self, slots, length, capacity):
+        self.allocate(slots, capacity)
+        self.past = {past: np.zeros(self._buffer_shape(past, slots, length), self.dtypes[past]) for past, _ in self.pairs}
+        self.mask = np.ones((slots, length), np.int64)
+
+    @property
+    def kv_arrays(self) -> dict[str, np.ndarray]:
+        return self.past
 
     def check_step(self, input_ids, write_positions, num_new, logit_positions=None):
         if self.mask.shape[1] + input_ids.shape[1] > self.capacity:

@@ -33,6 +33,12 @@ class Runner(ABC):
     def allocate(self, slots: int, capacity: int) -> None:
         """(Re)create empty KV buffers for `slots` sequences of up to `capacity` tokens."""
 
+    def allocate_cached(self, slots: int, length: int, capacity: int) -> None:
+        """allocate, with rows 0..slots-1 holding `length` (zero) cached tokens: a step at a
+        given context without the prefill that would get there. The in-place layouts need
+        nothing more, as write_positions alone say how deep a row is."""
+        self.allocate(slots, capacity)
+
     @abstractmethod
     def step(self, input_ids: np.ndarray, write_positions: np.ndarray, num_new: np.ndarray,
              logit_positions: np.ndarray | None = None) -> np.ndarray:
@@ -58,6 +64,11 @@ class Runner(ABC):
     def write_blocks(self, row: int, start: int, data: Blocks) -> None:
         """Write blocks start.. of slot `row` from read_blocks-shaped data (past the capacity: dropped)."""
         raise NotImplementedError(f"{type(self).__name__} cannot copy KV blocks into its slots")
+
+    @property
+    def kv_arrays(self) -> dict[str, np.ndarray]:
+        """The host arrays holding the KV, by past_key_values.* name (ONNX Runtime runners only)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps its KV in device memory")
 
     @property
     @abstractmethod

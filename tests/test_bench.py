@@ -11,8 +11,8 @@ import pytest
 
 from tests.conftest import run_cli
 
-SECTIONS = ("cache_speedup", "layouts", "kv_dtypes", "peers", "serving", "roofline", "weights")
-PLOTS = ("cache.png", "layouts.png", "serving.png")
+SECTIONS = ("cache_speedup", "layouts", "kv_dtypes", "peers", "serving", "roofline", "weights", "prefix_cache")
+PLOTS = ("cache.png", "layouts.png", "serving.png", "prefix_cache.png")
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +102,24 @@ def test_kv_dtypes_peers_roofline_weights_serving_structure(quick_run):
         assert all(r["cpu_ms_per_token"].keys() == parts and max(r["cpu_ms_per_token"].values()) > 0
                    for r in serving[mode])
     assert set(serving["overhead_percent"]) == {str(c) for c in results["meta"]["params"]["concurrency"]}
+
+
+def test_prefix_cache_structure(quick_run):
+    _, results, _ = quick_run
+    section = results["prefix_cache"]
+    for mode in ("in_process", "triton"):
+        points = section["repeated_prompt"][mode]
+        assert [p["context"] for p in points] == list(section["shape"]["contexts"])
+        for p in points:  # a hit must never change the greedy answer
+            assert {"median_ms", "min_ms", "max_ms"} <= p["cold"].keys() & p["warm"].keys() and p["same_greedy_text"]
+    assert all(p["cached_tokens"] > 0 for p in section["repeated_prompt"]["in_process"])
+    assert [t["turn"] for t in section["multi_turn"]["turns"]] == list(range(1, section["shape"]["turns"] + 1))
+    assert section["shared_document"]["on"]["cached_tokens_mean"] > 0
+    assert section["shared_document"]["off"]["cached_tokens_mean"] == 0
+    assert {"on", "off"} == section["no_hit"]["decode_tokens_per_s"].keys()
+    assert [b["block_tokens"] for b in section["copy"]["block_sizes"]] == [16, 64]
+    assert section["engine_counters"]["prefix_cache_hit_tokens"] > 0
+    assert any(t["target"].startswith("Prefix cache:") for t in results["targets"])
 
 
 def test_plots_and_targets_table(quick_run):

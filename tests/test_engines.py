@@ -14,6 +14,7 @@ from onnxruntime import OrtValue
 
 from kvforge.manifest import Manifest, ManifestError
 from runtime import runner as runner_module
+from runtime.greedy import Greedy
 from runtime.runner import OrtInplaceRunner, open_runner
 from tests.conftest import run_cli
 
@@ -21,15 +22,10 @@ PROMPTS = {"a": [5, 17, 300, 42, 9, 77, 1000], "b": [8, 9], "c": [1200, 3, 4, 5,
 
 
 def solo_logits(directory, prompt, steps):
-    """Reference: the sequence alone in a fresh runner (one row, big enough from the start), greedy."""
-    r = open_runner(directory)
-    r.allocate(1, 256)
-    out = [r.step(np.array([prompt]), np.array([0]), np.array([len(prompt)]))[0, len(prompt) - 1]]
-    length = len(prompt)
-    for _ in range(steps - 1):
-        out.append(r.step(np.array([[out[-1].argmax()]]), np.array([length]), np.array([1]))[0, 0])
-        length += 1
-    return out
+    """Reference: the sequence alone in a fresh runner (one row), greedy."""
+    run = Greedy(open_runner(directory), [prompt], steps)
+    run.prefill()
+    return [run.last[0]] + [run.step()[0] for _ in range(steps - 1)]
 
 
 def batched_logits(directory, schedule, slots=3):

@@ -4,9 +4,9 @@ from __future__ import annotations
 import math
 import threading
 
-import numpy as np
 import pytest
 
+from runtime.greedy import greedy_tokens
 from runtime.llm_engine import LLMEngine, QueueFullError, RequestError, SamplingParams
 from runtime.runner import open_runner
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -23,14 +23,7 @@ def engine_dir(exports):
 
 def reference_greedy(engine_dir, prompt_ids: list[int], max_tokens: int, eos: set[int]) -> list[int]:
     """One sequence alone, stepping the runner token by token: no batching, no scheduler."""
-    runner = open_runner(engine_dir)
-    runner.allocate(1, runner.manifest.max_seq_len)
-    logits = runner.step(np.array([prompt_ids]), np.array([0]), np.array([len(prompt_ids)]))[0, -1]
-    out: list[int] = []
-    while len(out) < max_tokens and int(np.argmax(logits)) not in eos:
-        out.append(int(np.argmax(logits)))
-        logits = runner.step(np.array([[out[-1]]]), np.array([len(prompt_ids) + len(out) - 1]), np.array([1]))[0, -1]
-    return out
+    return greedy_tokens(open_runner(engine_dir), prompt_ids, max_tokens, eos)
 
 
 def wait_for(event: threading.Event, what: str) -> None:

@@ -1,0 +1,54 @@
+"""Greedy generation straight on a Runner, no scheduler: rows of different lengths prefilled in
+one right-padded step, then one token per row per step. The reference every stage checks
+against (export.verify, the engine build's parity gate, benchmarks, tests).
+
+    run = Greedy(runner, [[5, 17, 300], [8, 9]], max_new_tokens=32)
+    logits = run.prefill()  # [rows, longest prompt, vocab]
+    for _ in range(31):
+        last = run.step()  # [rows, vocab]; feeds each row's argmax (or step(tokens) feeds those)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from runtime.runner_api import Runner
+
+
+class Greedy:
+    def __init__(self, runner: Runner, prompts: list[list[int]], max_new_tokens: int):
+        self.runner = runner
+        self.prompts = [list(p) for p in prompts]
+        self.lengths = np.array([len(p) for p in prompts], np.int64)
+        longest = int(self.lengths.max())
+        runner.allocate(len(prompts), runner.bucket_for(min(longest + max_new_tokens, runner.manifest.max_seq_len)))
+        self.last: np.ndarray | None = None  # logits of each row's newest position [rows, vocab]
+
+    def prefill(self) -> np.ndarray:
+        ids = np.zeros((len(self.prompts), int(self.lengths.max())), np.int64)
+        for r, p in enumerate(self.prompts):
+            ids[r, :len(p)] = p
+        logits = self.runner.step(ids, np.zeros(len(self.prompts), np.int64), self.lengths)
+        self.last = logits[np.arange(len(self.prompts)), self.lengths - 1]
+        return logits
+
+    @property
+    def next_tokens(self) -> np.ndarray:
+        return self.last.argmax(-1)
+
+    def step(self, tokens: np.ndarray | None = None) -> np.ndarray:
+        tokens = self.next_tokens if tokens is None else np.asarray(tokens, np.int64)
+        self.last = self.runner.step(tokens[:, None], self.lengths, np.ones(len(tokens), np.int64))[:, 0]
+        self.lengths = self.lengths + 1
+        return self.last
+
+
+def greedy_tokens(runner: Runner, prompt: list[int], max_tokens: int, stop: set[int] = frozenset()) -> list[int]:
+    """One sequence alone: up to max_tokens greedy tokens, ending before a stop token."""
+    run = Greedy(runner, [prompt], max_tokens)
+    run.prefill()
+    out: list[int] = []
+    while len(out) < max_tokens and int(run.next_tokens[0]) not in stop:
+        out.append(int(run.next_tokens[0]))
+        if len(out) < max_tokens:
+            run.step()
+    return out
