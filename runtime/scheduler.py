@@ -28,6 +28,7 @@ from runtime.sequence import RequestOutput, Sequence, Status
 
 MIX_PADDING_TOKENS = 16
 PREFILL_TOKENS = 256
+SOLO_PREFILL_TOKENS = 2048
 
 
 class QueueFullError(RequestError):
@@ -46,11 +47,12 @@ class Scheduler:
     """Not thread-safe: the engine serializes calls (schedule and postprocess under its lock)."""
 
     def __init__(self, runner: Runner, kv: KVManager, max_waiting: int,
-                 prefill_tokens: int = PREFILL_TOKENS):
+                 prefill_tokens: int = PREFILL_TOKENS, solo_prefill_tokens: int = SOLO_PREFILL_TOKENS):
         self.runner = runner
         self.kv = kv
         self.max_waiting = max_waiting
-        self.prefill_tokens = prefill_tokens
+        self.prefill_tokens = prefill_tokens  # per prefill step while other sequences decode
+        self.solo_prefill_tokens = max(prefill_tokens, solo_prefill_tokens)  # when none does
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[int, Sequence] = {}
@@ -125,7 +127,8 @@ class Scheduler:
         if prefill_rows == 0:
             kind, rows, width = "decode", len(pending), 1
         else:
-            width = min(max(pending[:prefill_rows]), max(1, self.prefill_tokens // prefill_rows))
+            budget = self.prefill_tokens if 1 in pending else self.solo_prefill_tokens
+            width = min(max(pending[:prefill_rows]), max(1, budget // prefill_rows))
             waste = sum(width - min(p, width) for p in pending)
             if waste <= MIX_PADDING_TOKENS:
                 kind, rows = "mixed" if 1 in pending else "prefill", len(pending)
