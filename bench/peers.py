@@ -161,19 +161,17 @@ def hf_steps(model, ids: np.ndarray, new_tokens: int, use_cache: bool = True) ->
 
 
 def kvforge_ttft_steps(runner, ids: np.ndarray, new_tokens: int) -> tuple[float, list[float]]:
-    """What LLMEngine does for a prompt that runs alone: the prefill in one step in the capacity
-    bucket of the prompt, logits of the last position only; the buffer grows (untimed, once)
-    before decoding past the bucket."""
-    from runtime.runner_api import last_positions
+    """What LLMEngine does for a prompt that runs alone (bench.prefill.solo_prefill); the buffer
+    grows (untimed, once) before decoding past the prompt's bucket."""
+    from bench.prefill import solo_prefill
 
     rows, length = ids.shape
-    runner.allocate(rows, runner.bucket_for(length))
-    lengths = np.full(rows, length, np.int64)
     began = time.perf_counter()
-    token = runner.step(ids, np.zeros(rows, np.int64), lengths, last_positions(lengths))[:, 0].argmax(-1)
+    solo_prefill(runner, ids)
     prefill = time.perf_counter() - began
     runner.resize(runner.bucket_for(length + new_tokens), rows)
-    one, steps = np.ones(rows, np.int64), []
+    lengths, one, steps = np.full(rows, length, np.int64), np.ones(rows, np.int64), []
+    token = np.full(rows, 3, np.int64)  # decode speed does not depend on which token
     for i in range(new_tokens - 1):
         began = time.perf_counter()
         token = runner.step(token[:, None], lengths + i, one)[:, 0].argmax(-1)
@@ -321,8 +319,9 @@ def run(params: Params, artifacts) -> dict:
         "ttft": ttft_section(params, artifacts),
         "ttft_method": "batch 1, fp32, greedy, prefix caching off (a fresh random prompt every round), "
                        f"{params.threads} threads for every system, systems taking turns in each of ttft_rounds "
-                       "rounds; TTFT = the prefill and its first token (kvforge: one step asking for the last "
-                       "position's logits, as LLMEngine runs a prompt alone; transformers: generate()'s first "
+                       "rounds; TTFT = the prefill and its first token (kvforge: as LLMEngine runs a prompt "
+                       "alone, in SOLO_PREFILL_TOKENS chunks asking for the last position's logits; transformers: "
+                       "generate()'s first "
                        "streamer gap; GenAI: append_tokens); decode tokens/s = 1 / median decode step of a round; "
                        "median, min and max over rounds",
         "ttft_rounds": params.ttft_rounds,

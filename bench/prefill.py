@@ -1,10 +1,10 @@
 """Prefill: where a long prompt's time goes, against the matmul-only roofline, and what chunking
 the prompt costs and buys (issue #13).
 
-- profile: one whole-prompt prefill step (the generation path: logits of the last position only)
-  under ONNX Runtime's profiler, its kernel time split into the weight matmuls, attention and
+- profile: a prompt's prefill as LLMEngine runs it alone (chunks of the scheduler's
+  SOLO_PREFILL_TOKENS, logits of the last position only) under ONNX Runtime's profiler, its kernel time split into the weight matmuls, attention and
   everything else; the lm_head matmul is reported apart.
-- roofline: every weight matmul of that step timed alone as an ONNX Runtime MatMul of the same
+- roofline: every weight matmul of those steps timed alone as an ONNX Runtime MatMul of the same
   shapes and thread count (best of several runs: the machine's FLOP/s at those shapes). Their sum
   is the time a prefill cannot beat while it does those matmuls; prefill share = bound / step.
 - chunks: through LLMEngine (prefix caching off, a fresh random prompt every round), the prompt's
@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import ROOT, say, write_json
+from runtime.scheduler import SOLO_PREFILL_TOKENS
 
 MATMUL_OPS = {"MatMul", "FusedMatMul", "Gemm", "MatMulNBits", "MatMulInteger", "DynamicQuantizeMatMul"}
 ATTENTION_OPS = {"Attention", "MultiHeadAttention", "GroupQueryAttention"}
@@ -42,15 +43,36 @@ def _shapes(entries: list[dict]) -> list[list[int]]:
     return [next(iter(e.values())) for e in entries]
 
 
-def profile_step(export_dir: Path, tokens: int, threads: int) -> dict:
-    """Kernel time per category of one `tokens`-long prefill step (after an unprofiled warm-up)."""
+def solo_prefill(runner, ids: np.ndarray, chunk: int = SOLO_PREFILL_TOKENS, every_position: bool = False) -> int:
+    """A prompt prefilled as LLMEngine runs it alone: chunks of `chunk` tokens, each in the
+    capacity bucket that fits it (grown by copying, as the KV manager does), logits of the last
+    position (every_position: of every position). Returns the number of steps."""
+    from runtime.runner_api import last_positions
+
+    rows, length = ids.shape
+    runner.allocate(rows, runner.bucket_for(min(chunk, length)))
+    done, steps = 0, 0
+    while done < length:
+        n = min(chunk, length - done)
+        runner.resize(runner.bucket_for(done + n), rows)
+        num_new = np.full(rows, n, np.int64)
+        runner.step(ids[:, done:done + n], np.full(rows, done, np.int64), num_new,
+                    None if every_position else last_positions(num_new))
+        done, steps = done + n, steps + 1
+    return steps
+
+
+def profile_step(export_dir: Path, tokens: int, threads: int, every_position: bool = False) -> dict:
+    """Kernel time per category of one `tokens`-long prefill as the engine runs it alone (after
+    an unprofiled warm-up), asking for the last position's logits (generation) or, in one step,
+    every position's (scoring)."""
     import onnxruntime as ort
 
     from runtime.runner import open_runner, session_options
-    from runtime.runner_api import last_positions
 
     runner = open_runner(export_dir, threads)
     vocab = runner.manifest.model.vocab_size
+    chunk = tokens if every_position else SOLO_PREFILL_TOKENS
     with tempfile.TemporaryDirectory() as tmp:
         opts = session_options(threads)
         opts.enable_profiling = True
@@ -58,14 +80,13 @@ def profile_step(export_dir: Path, tokens: int, threads: int) -> dict:
         runner.session = ort.InferenceSession(str(runner_path(export_dir)), opts, providers=["CPUExecutionProvider"])
         ids = np.random.default_rng(tokens).integers(3, vocab, (1, tokens))
         for _ in range(2):  # the first run allocates and picks kernels; the second is analysed
-            runner.allocate(1, runner.bucket_for(tokens))
             began = time.perf_counter()
-            runner.step(ids, np.zeros(1, np.int64), np.array([tokens]), last_positions(np.array([tokens])))
+            steps = solo_prefill(runner, ids, chunk, every_position)
             wall = time.perf_counter() - began
         events = json.loads(Path(runner.session.end_profiling()).read_text())
-    run = [e for e in events if e.get("name") == "model_run"][-1]
+    runs = [e for e in events if e.get("name") == "model_run"][-steps:]
     nodes = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")
-             and run["ts"] <= e["ts"] <= run["ts"] + run["dur"]]
+             and any(r["ts"] <= e["ts"] <= r["ts"] + r["dur"] for r in runs)]
     split = {"matmul": 0.0, "lm_head_matmul": 0.0, "attention": 0.0, "other": 0.0}
     by_op: dict[str, float] = {}
     weight_matmuls = []  # (input shape, weight shape) of every matmul by a 2-D weight
@@ -80,7 +101,8 @@ def profile_step(export_dir: Path, tokens: int, threads: int) -> dict:
         else:
             split["attention" if op in ATTENTION_OPS else "other"] += seconds
     kernels = sum(split.values())
-    return {"tokens": tokens, "wall_s": wall, "model_run_s": run["dur"] / 1e6, "kernel_s": kernels,
+    return {"tokens": tokens, "chunk_tokens": chunk, "steps": steps, "wall_s": wall,
+            "model_run_s": sum(r["dur"] for r in runs) / 1e6, "kernel_s": kernels,
             "seconds": split, "percent": {k: 100 * v / kernels for k, v in split.items()},
             "top_ops_s": dict(sorted(by_op.items(), key=lambda kv: -kv[1])[:10]),
             "weight_matmuls": weight_matmuls}
@@ -222,11 +244,21 @@ def measure(export_dir: Path, tokens: tuple[int, ...], chunks: tuple[int, ...], 
         p["roofline"] = roofline(p, threads)
         del p["weight_matmuls"]
         profiles.append(p)
+    # One graph serves generation and scoring: what scoring pays for the gather that generation
+    # needs is the GatherElements time of an every-position step (two graphs would avoid it).
+    say(f"prefill profile: {tokens[0]} tokens, every position's logits (scoring)")
+    scoring = profile_step(export_dir, tokens[0], threads, every_position=True)
+    gather = scoring["top_ops_s"].get("GatherElements", 0.0)
+    one_graph = {"tokens": tokens[0], "wall_s": scoring["wall_s"], "gather_s": gather,
+                 "gather_percent_of_step": 100 * gather / scoring["kernel_s"],
+                 "lm_head_s": scoring["seconds"]["lm_head_matmul"]}
     curve = chunk_curve(export_dir, tokens, chunks, rounds, threads) if chunks else []
     return {"export": str(export_dir), "threads": threads, "profiles": profiles, "chunk_curve": curve,
+            "scoring_step": one_graph,
             "load_average_before": list(load_before), "load_average_after": list(os.getloadavg()),
-            "method": "profile: ONNX Runtime's profiler over one whole-prompt prefill step asking for the last "
-                      "position's logits (the step after an unprofiled warm-up); kernel times summed by op type; "
+            "method": f"profile: ONNX Runtime's profiler over a prompt's prefill as LLMEngine runs it alone "
+                      f"({SOLO_PREFILL_TOKENS}-token chunks in growing capacity buckets, the last position's logits; "
+                      "after an unprofiled warm-up); kernel times summed by op type; "
                       "roofline: each weight matmul of the step timed alone as an ONNX Runtime MatMul of the same "
                       f"shapes and threads (best of {BOUND_REPEATS}), summed over the step's matmuls; "
                       "percent_of_roofline = that bound / the step's wall time; chunk curve: LLMEngine with "
@@ -283,7 +315,7 @@ def targets(peers: dict | None, prefill: dict | None, target, skipped) -> list[d
         out.append(target(title, required, "; ".join(cells) or "-", met,
                           "medians over rounds; spread in the peers TTFT table" if met is not None else
                           "this run measured other prompt lengths (quick run)"))
-    title, required = "Prefill (2,048 tokens, one step) as a share of the matmul-only roofline", ">= 50%"
+    title, required = "Prefill of 2,048 tokens as a share of the matmul-only roofline", ">= 50%"
     if not (prefill and prefill.get("status") == "ok"):
         return out + [skipped(title, required, "prefill section did not run")]
     cells, met = [], True
@@ -322,7 +354,7 @@ def markdown(peers: dict | None, prefill: dict | None, table) -> list[str]:
                  f"{p['roofline']['percent_of_roofline']:.0f}%",
                  f"{p['roofline']['prefill_gflop_per_s']:.0f} / {p['roofline']['machine_gflop_per_s_at_these_shapes']:.0f}"]
                 for m in prefill["models"] for p in m["profiles"]]
-        lines += ["", "## 6b. Prefill profile (one whole-prompt step, ONNX Runtime profiler)", "",
+        lines += ["", "## 6b. Prefill profile (a prompt alone, as LLMEngine chunks it; ONNX Runtime profiler)", "",
                   prefill["method"], "",
                   *table(["model", "tokens", "step s", "matmul %", "lm_head %", "attention %", "other %",
                           "matmul bound s", "share of bound", "GFLOP/s (prefill / MatMul alone)"], rows)]
@@ -337,6 +369,9 @@ def summary(result: dict) -> str:
                      f"{pct['lm_head_matmul']:.1f}%, attention {pct['attention']:.0f}%, other {pct['other']:.0f}%; "
                      f"matmul roofline {roof['bound_s']:.2f} s = {roof['percent_of_roofline']:.0f}% "
                      f"({roof['prefill_gflop_per_s']:.0f} of {roof['machine_gflop_per_s_at_these_shapes']:.0f} GFLOP/s)")
+    sc = result["scoring_step"]
+    lines.append(f"scoring step ({sc['tokens']} tokens, every position): {sc['wall_s']:.2f} s, of which the "
+                 f"gather {1e3 * sc['gather_s']:.2f} ms ({sc['gather_percent_of_step']:.2f}%), lm_head {sc['lm_head_s']:.2f} s")
     for c in result["chunk_curve"]:
         gap = f", decode gap max {c['decode_gap_max_s_median']:.2f} s" if c["decoding_meanwhile"] else ""
         lines.append(f"{c['prompt_tokens']:>5} tokens, chunk {c['chunk_tokens']:>4}, "

@@ -12,7 +12,23 @@ at S=16 cost 294 ms mixed vs 108 ms as a prefill step plus a decode step, while 
 at S=16 cost 85 ms mixed vs 106 ms separately (a step re-reads all weights, worth ~16 tokens
 of compute). New sequences are placed in front of decoding rows so a prefill step covers a
 short prefix of rows; prefill steps alternate with decode steps and are chunked to
-`prefill_tokens`, so a long prompt delays running sequences by one chunk at most.
+`prefill_tokens`, so a long prompt delays running sequences by one chunk at most. When no row
+is decoding, prompts go in chunks of `solo_prefill_tokens` instead: nobody waits on the chunk.
+
+Chunk size, measured with `python -m bench.prefill EXPORT --rounds 2` on small-llama-32k, fp32,
+2 threads, a fresh prompt per round (medians; the 2 cores were shared with four other jobs,
+load 8-9, so absolute times are ~4x an idle machine's; the ratios are what the constants use):
+
+    chunk tokens               128    256    512   1024   2048
+    1K prompt alone, TTFT s   8.24   8.04   7.63   7.41      -
+    2K prompt alone, TTFT s  19.91  16.05  14.20  15.02  17.22
+    2K prompt with 1 decoding row:
+      TTFT s                 21.61  18.58  16.22  15.06  16.40
+      longest decode gap s    1.78   2.85   4.74   7.67  16.27
+
+Alone, chunks help up to 512 tokens (attention costs follow the capacity bucket, so a chunk in a
+small bucket is cheaper than the whole prompt in the big one) and cost little beyond that; with
+others decoding, their longest gap grows with the chunk, so they keep 256-token chunks.
 """
 from __future__ import annotations
 
@@ -28,7 +44,7 @@ from runtime.sequence import RequestOutput, Sequence, Status
 
 MIX_PADDING_TOKENS = 16
 PREFILL_TOKENS = 256
-SOLO_PREFILL_TOKENS = 2048
+SOLO_PREFILL_TOKENS = 512
 
 
 class QueueFullError(RequestError):
