@@ -119,8 +119,9 @@ class OrtInplaceRunner(_OrtRunner):
 
 
 class OrtConcatRunner(_OrtRunner):
-    """present = concat(past, new). Rows share one past length; a row's unused columns are
-    masked out through attention_mask. The capacity is only the bound on that length."""
+    """present = concat(past, new). Rows share one past length and step together; a row's
+    unused columns are masked out through attention_mask. The capacity is only the bound on
+    that length. (Continuous batching, with rows joining and leaving, runs the inplace layout.)"""
 
     def allocate(self, slots, capacity):
         self.slots, self.capacity = slots, capacity
@@ -137,6 +138,8 @@ class OrtConcatRunner(_OrtRunner):
         return self.past
 
     def check_step(self, input_ids, write_positions, num_new, logit_positions=None):
+        if input_ids.shape[0] != self.slots:  # the past is one rectangle: every row steps together
+            raise ValueError(f"the concat runner steps all {self.slots} rows at once, got {input_ids.shape[0]}")
         if self.mask.shape[1] + input_ids.shape[1] > self.capacity:
             raise ValueError(f"concat cache would grow past its capacity {self.capacity}; resize first")
         return super().check_step(input_ids, write_positions, num_new, logit_positions)
@@ -161,20 +164,8 @@ class OrtConcatRunner(_OrtRunner):
                  "position_ids": write_positions[:, None] + np.arange(seq)[None, :]}
         feeds.update({past: self.past[past][:rows] for past, _ in self.pairs})
         outputs = self.session.run(["logits"] + [present for _, present in self.pairs], feeds)
-        if rows == self.slots:
-            self.past = {past: present for (past, _), present in zip(self.pairs, outputs[1:])}
-            self.mask = mask
-            return outputs[0]
-        # rows beyond `rows` keep their columns (masked) so the past stays rectangular
-        for (past, _), present in zip(self.pairs, outputs[1:]):
-            grown = np.zeros(self._buffer_shape(past, self.slots, present.shape[2]), present.dtype)
-            grown[:rows] = present
-            grown[rows:, :, :self.past[past].shape[2]] = self.past[past][rows:]
-            self.past[past] = grown
-        grown_mask = np.zeros((self.slots, mask.shape[1]), np.int64)
-        grown_mask[:rows] = mask
-        grown_mask[rows:, :self.mask.shape[1]] = self.mask[rows:]
-        self.mask = grown_mask
+        self.past = {past: present for (past, _), present in zip(self.pairs, outputs[1:])}
+        self.mask = mask
         return outputs[0]
 
     def move(self, src, dst, length):

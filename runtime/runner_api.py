@@ -10,6 +10,7 @@ picks one from the manifest. This module imports neither, so they import it with
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -18,6 +19,25 @@ from kvforge.manifest import Manifest, capacity_bucket, kv_block_spec
 # A block of one cache tensor, as read_blocks returns it and write_blocks takes it:
 # [blocks, kv_heads, block_tokens, D] (D = 1 for a scale tensor), C-contiguous.
 Blocks = dict[str, np.ndarray]
+
+
+@dataclass
+class Batch:
+    """One step's inputs: rows 0..rows-1, each feeding its next tokens after what it has cached."""
+
+    kind: str  # "prefill" | "decode" | "mixed"
+    input_ids: np.ndarray  # [rows, S], right-padded with 0
+    write_positions: np.ndarray  # [rows]
+    num_new: np.ndarray  # [rows]
+
+    @classmethod
+    def of(cls, kind: str, seqs, width: int) -> "Batch":
+        """Up to `width` pending tokens of each sequence (anything with tokens and num_cached)."""
+        input_ids = np.zeros((len(seqs), width), np.int64)
+        num_new = np.minimum([len(s.tokens) - s.num_cached for s in seqs], width)
+        for b, s in enumerate(seqs):
+            input_ids[b, :num_new[b]] = s.tokens[s.num_cached:s.num_cached + num_new[b]]
+        return cls(kind, input_ids, np.array([s.num_cached for s in seqs], np.int64), num_new)
 
 
 class Runner(ABC):

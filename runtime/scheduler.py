@@ -33,12 +33,11 @@ others decoding, their longest gap grows with the chunk, so they keep 256-token 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 
 from runtime.kv_manager import KVManager
-from runtime.runner_api import Runner, last_positions
+from runtime.runner_api import Batch, Runner, last_positions
 from runtime.sampling import RequestError, sample
 from runtime.sequence import RequestOutput, Sequence, Status
 
@@ -49,14 +48,6 @@ SOLO_PREFILL_TOKENS = 512
 
 class QueueFullError(RequestError):
     """The waiting queue is at its bound; the client should retry later."""
-
-
-@dataclass
-class Batch:
-    kind: str  # "prefill" | "decode" | "mixed"
-    input_ids: np.ndarray  # [rows, S], right-padded with 0
-    write_positions: np.ndarray  # [rows]
-    num_new: np.ndarray  # [rows]
 
 
 class Scheduler:
@@ -154,13 +145,8 @@ class Scheduler:
                 kind, rows = "prefill", prefill_rows
         seqs = self.running[:rows]
         width = min(width, min(self.runner.manifest.max_seq_len - s.num_cached for s in seqs))
-        cached = np.array([s.num_cached for s in seqs], np.int64)
-        self.kv.fit_capacity(int(cached.max()) + width, len(self.running))
-        input_ids = np.zeros((rows, width), np.int64)
-        num_new = np.minimum([s.pending for s in seqs], width)
-        for b, s in enumerate(seqs):
-            input_ids[b, :num_new[b]] = s.tokens[s.num_cached:s.num_cached + num_new[b]]
-        return Batch(kind, input_ids, cached, num_new)
+        self.kv.fit_capacity(max(s.num_cached for s in seqs) + width, len(self.running))
+        return Batch.of(kind, seqs, width)
 
     # ------------------------------------------------------------------ the step
 

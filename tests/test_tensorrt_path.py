@@ -13,8 +13,8 @@ import pytest
 from engines import trt_ops
 from engines.tensorrt_build import build, cast_weights, pin_capacity, profile_shapes
 from kvforge.manifest import Manifest, ManifestError, kv_pairs
-from runtime.runner import OrtInplaceRunner, open_runner
 from kvforge.tensorrt_host import check_engine_match, missing_requirement, read_plan
+from runtime.runner import OrtInplaceRunner, open_runner
 from runtime.tensorrt_runner import TensorRTRunner
 from tests.conftest import run_cli
 
