@@ -26,7 +26,7 @@ PREFIX_CACHE ?= 1
 KV_HOST_BYTES ?=
 KV_FLAGS = --prefix-cache $(if $(filter 0,$(PREFIX_CACHE)),off,on) $(if $(KV_HOST_BYTES),--kv-host-bytes $(KV_HOST_BYTES),)
 
-.PHONY: setup export verify build-engines serve run test bench clean
+.PHONY: setup export verify build-engines serve run test bench soak clean
 
 setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -48,14 +48,21 @@ build-engines: $(EXPORT_DIR)/manifest.json
 	$(PY) -m engines build $(EXPORT_DIR) --backend $(BACKEND) --weights $(WEIGHTS) --out $(ENGINE_DIR)
 	$(PY) -m engines repository $(ENGINE_DIR) --repo model_repository
 
+# the launcher: the HTTP front on HTTP_PORT, supervised tritonserver (gRPC, metrics); logs in LOG_DIR
+LOG_DIR ?= build/logs
+SERVE := $(PY) -m runtime.triton_server --repo model_repository --host $(HOST) --http-port $(HTTP_PORT) \
+	--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --log-dir $(LOG_DIR)
+SOAK_SECONDS ?= 600
+
 serve: setup
-	$(PY) -m runtime.triton_server --repo model_repository --host $(HOST) \
-		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(KV_FLAGS)
+	$(SERVE) $(KV_FLAGS)
 
 run: build-engines
-	$(PY) -m runtime.triton_server --repo model_repository --host $(HOST) \
-		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(KV_FLAGS) \
-		-- $(PY) -m clients.generate "$(PROMPT)" --url $(HOST):$(GRPC_PORT) --max-tokens $(MAX_TOKENS) $(SAMPLING)
+	$(SERVE) $(KV_FLAGS) -- $(PY) -m clients.generate "$(PROMPT)" --url $(HOST):$(GRPC_PORT) --max-tokens $(MAX_TOKENS) $(SAMPLING)
+
+# 10 minutes of mixed traffic at concurrency 64 against its own server on free ports
+soak: setup
+	$(PY) -m bench.soak --seconds $(SOAK_SECONDS)
 
 test: setup
 	$(PY) -m pytest -q

@@ -274,8 +274,7 @@ def run(params: Params, artifacts) -> dict:
     repo = artifacts.root / "model_repository_prefix"
     run_module("engines", "repository", str(engine_dir), "--repo", str(repo))
     http, grpc, metrics = free_ports(3)
-    os.environ["KVFORGE_PREFIX_CACHE"] = "1"  # as `make serve` runs it
-    with TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics) as server:
+    with TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics) as server:  # as `make serve`
         client = LLMClient(server.grpc_url)
         triton_request(client, texts.take(8), 2)
         through_triton = repeated_prompt(lambda p, n: triton_request(client, p, n), texts, s, "triton")

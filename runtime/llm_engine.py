@@ -63,9 +63,12 @@ class LLMEngine:
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None,
                on_output: Callable[[RequestOutput], None] | None = None, *,
-               cache_salt: bytes | None = None) -> int:
+               cache_salt: bytes | None = None, queue_timeout: float | None = None,
+               timeout: float | None = None) -> int:
         """Queue a request; returns its id. Raises RequestError (QueueFullError when saturated).
-        cache_salt: the request shares cached prefixes only with requests of the same salt."""
+        cache_salt: the request shares cached prefixes only with requests of the same salt.
+        A request still waiting for a slot after queue_timeout seconds, or still running after
+        timeout seconds, ends with finish_reason "timeout"."""
         params = params or SamplingParams()
         params.validate()
         if cache_salt is not None and (not isinstance(cache_salt, bytes) or len(cache_salt) > MAX_CACHE_SALT_BYTES):
@@ -82,6 +85,10 @@ class LLMEngine:
                        IncrementalDetokenizer(self.tokenizer, ids),
                        frozenset(self.tokenizer.eos_token_ids) | frozenset(params.stop_token_ids),
                        cache_salt=cache_salt or None)
+        if queue_timeout is not None:
+            seq.queue_deadline = seq.arrived + queue_timeout
+        if timeout is not None:
+            seq.deadline = seq.arrived + timeout
         if not self.kv.fits_ever(seq):
             raise RequestError(f"the request needs {self.runner.bucket_for(seq.max_tokens_total)} KV tokens "
                                f"(its capacity bucket) but the cache holds {self.limits.kv_tokens}; "

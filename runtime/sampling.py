@@ -19,6 +19,12 @@ class RequestError(ValueError):
     """A request that cannot be served as given; the message says what to change."""
 
 
+def quote(value, limit: int = 80) -> str:
+    """What an error may echo of user input: at most `limit` characters, and its length."""
+    text = value if isinstance(value, str) else repr(value)
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -48,7 +54,7 @@ class SamplingParams:
             raise RequestError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS:
-                raise RequestError(f"each stop string must be 1..{MAX_STOP_CHARS} characters, got {s!r}")
+                raise RequestError(f"each stop string must be 1..{MAX_STOP_CHARS} characters, got {quote(s)}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise RequestError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}")
 

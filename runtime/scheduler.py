@@ -32,6 +32,7 @@ others decoding, their longest gap grows with the chunk, so they keep 256-token 
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import numpy as np
@@ -67,7 +68,7 @@ class Scheduler:
         self.last_kind = "decode"
         self.counters = dict(steps=0, prefill_steps=0, decode_steps=0, mixed_steps=0, max_rows=0,
                              multi_row_steps=0, prompt_tokens=0, generated_tokens=0, finished=0,
-                             cancelled=0, prefix_waits=0)
+                             cancelled=0, expired=0, prefix_waits=0)
 
     def add(self, seq: Sequence) -> None:
         if len(self.waiting) >= self.max_waiting:
@@ -92,6 +93,7 @@ class Scheduler:
         sequence is computing right now lets the ones behind it go first and waits for it."""
         outputs = [(seq, self._cancel(seq)) for seq in map(self.requests.get, self.cancelled) if seq]
         self.cancelled.clear()
+        outputs += self._expire(time.perf_counter())
         for seq in list(self.waiting):
             hit, wait = self.kv.match(seq)
             if wait:
@@ -113,9 +115,24 @@ class Scheduler:
         self.counters["cancelled"] += 1
         return seq.finish("cancelled")
 
+    def _expire(self, now: float) -> list[tuple[Sequence, RequestOutput]]:
+        """End requests past their deadline: still waiting for a slot, or running too long."""
+        outputs = []
+        for seq in [s for s in self.waiting if s.queue_deadline is not None and now > s.queue_deadline]:
+            self.waiting.remove(seq)
+            del self.requests[seq.request_id]
+            outputs.append((seq, seq.finish("timeout", f"the request waited {now - seq.arrived:.1f} s for a "
+                                                       "free slot (the queue timeout); retry later")))
+        for seq in [s for s in self.running if s.deadline is not None and now > s.deadline]:
+            outputs.append((seq, seq.finish("timeout", f"the request ran {now - seq.arrived:.1f} s, past the "
+                                                       "server's request timeout, and was ended")))
+        self.counters["expired"] += len(outputs)
+        self._drop_finished()
+        return outputs
+
     def _place(self, seq: Sequence, hit: list[int]) -> None:
         """Append seq as a row, swapping it in front of the first decoding row."""
-        seq.status = Status.RUNNING
+        seq.status, seq.admitted = Status.RUNNING, time.perf_counter()
         self.kv.make_room(len(self.running) + 1)
         row = next((i for i, s in enumerate(self.running) if s.pending == 1), None)
         if row is None:

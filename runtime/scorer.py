@@ -21,8 +21,14 @@ class Scorer:
         self.vocab_size = self.runner.manifest.model.vocab_size
 
     def check(self, ids: np.ndarray) -> np.ndarray:
-        """One request's token ids as int64 [n], or RequestError saying what is wrong."""
-        ids = np.asarray(ids).reshape(-1)
+        """One request's token ids, shape [1, n] (one sequence per request), as int64 [n], or
+        RequestError saying what is wrong. Rows are refused rather than joined: a [2, 5] input
+        would otherwise run as one 10-token sequence."""
+        ids = np.asarray(ids)
+        if ids.ndim != 2 or ids.shape[0] != 1:
+            raise RequestError(f"input_ids must have shape [1, n]: one sequence per request (send each "
+                               f"sequence as its own request; Triton batches them), got {list(ids.shape)}")
+        ids = ids.reshape(-1)
         if not np.issubdtype(ids.dtype, np.integer):
             raise RequestError(f"input_ids must be integers, got {ids.dtype}")
         if not 0 < ids.size <= self.max_seq_len:

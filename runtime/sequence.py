@@ -1,6 +1,7 @@
 """One request's state: its tokens, how many are in the KV cache, its text stream and its end."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
@@ -30,12 +31,13 @@ class RequestOutput:
     prompt_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    queue_seconds: float | None = None  # on the last output: how long the request waited for a slot
 
     def merge(self, later: "RequestOutput") -> "RequestOutput":
         """This output followed by the request's next one, as a single output."""
         return RequestOutput(self.request_id, self.text + later.text, self.token_ids + later.token_ids,
                              later.finished, later.finish_reason, later.error, later.prompt_tokens,
-                             later.output_tokens, later.cached_tokens)
+                             later.output_tokens, later.cached_tokens, later.queue_seconds)
 
 
 @dataclass
@@ -55,6 +57,10 @@ class Sequence:
     num_stored_blocks: int = 0  # leading full blocks that are in the pool
     stores_blocks: bool = True
     finish_reason: str | None = None
+    arrived: float = field(default_factory=time.perf_counter)
+    admitted: float | None = None  # when it got a slot
+    queue_deadline: float | None = None  # perf_counter time by which it must have a slot
+    deadline: float | None = None  # perf_counter time by which it must have finished
 
     def __post_init__(self):
         self.tokens = list(self.prompt_ids)
@@ -107,6 +113,7 @@ class Sequence:
         self.status, self.finish_reason = Status.FINISHED, reason
         out = self._output(len(self.text))
         out.finished, out.finish_reason, out.error = True, reason, error
+        out.queue_seconds = (self.admitted or time.perf_counter()) - self.arrived
         return out
 
     def _output(self, upto: int) -> RequestOutput:

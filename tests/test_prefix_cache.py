@@ -295,23 +295,16 @@ POOL_BYTES = 64 << 20
 
 @pytest.fixture(scope="module")
 def server(exports, tmp_path_factory):
-    """A tritonserver of our own: the control key and pool budget reach the model by environment."""
-    import os
-
+    """A server of our own: the launcher hands its control key and the pool budget to the model."""
     from engines.repository import write_repository
     from runtime.triton_server import TritonServer, free_ports
 
     repo = tmp_path_factory.mktemp("prefix_repository")
     write_repository(exports(), repo, slots=4)
-    saved = {k: os.environ.get(k) for k in ("KVFORGE_CONTROL_KEY", "KVFORGE_KV_HOST_BYTES")}
-    os.environ.update(KVFORGE_CONTROL_KEY=CONTROL_KEY, KVFORGE_KV_HOST_BYTES=str(POOL_BYTES))
-    try:
-        http, grpc, metrics = free_ports(3)
-        with TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics) as s:
-            yield s
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    http, grpc, metrics = free_ports(3)
+    with TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics, control_key=CONTROL_KEY,
+                      extra_args=["--kv-host-bytes", str(POOL_BYTES)]) as s:
+        yield s
 
 
 def post_generate(server, **inputs) -> tuple[int, dict]:

@@ -2,9 +2,11 @@
 
 Decoupled: execute() only parses and submits, then returns; the engine's thread generates and
 hands outputs to a sender thread, so a slow client never stalls decoding. The sender also
-polls `is_cancelled()` (a client that went away frees its slot at the next step) and updates
-the custom metrics. Inputs and outputs use the names of the TensorRT-LLM/vLLM backends, so
-/v2/models/llm/generate, /generate_stream and gRPC stream_infer work as with those.
+polls `is_cancelled()` every CANCEL_POLL_SECONDS (a client that went away frees its slot at the
+next step), updates the custom metrics and latency histograms, and writes one access-log line
+per request (ids and counts, never the text). Inputs and outputs use the names of the
+TensorRT-LLM/vLLM backends, so /v2/models/llm/generate, /generate_stream and gRPC stream_infer
+work as with those. Refusals for load (queue full, queue timeout) start with "UNAVAILABLE:".
 
 Prefix caching: an optional `cache_salt` input isolates a tenant's cached prefixes, every
 response carries `cached_tokens`, and a request with `clear_prefix_cache` true and the operator's
@@ -23,9 +25,16 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from runtime.llm_engine import LLMEngine, QueueFullError, RequestError, SamplingParams
+from runtime.triton_server import append_json_line
 
-POLL_SECONDS = 0.1
+# is_cancelled() is a round trip to the server, so it is asked per request every this many
+# seconds, not per token: a cancelled request generates at most this long plus one step. One
+# still waiting for a slot costs no compute and is asked less often.
+CANCEL_POLL_SECONDS = 0.02
+WAITING_POLL_SECONDS = 0.2
+METRICS_SECONDS = 0.1
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+UNAVAILABLE = "UNAVAILABLE:"  # the documented prefix of every refusal for load; retry later
 # engine stats key -> custom metric on Triton's metrics port
 METRICS = [
     ("kv_utilization", "kvforge_kv_cache_utilization",
@@ -44,17 +53,36 @@ METRICS = [
     ("kv_host_pool_bytes", "kvforge_kv_host_pool_bytes", "Bytes of KV blocks in the host RAM pool", "GAUGE"),
     ("kv_host_pool_budget_bytes", "kvforge_kv_host_pool_budget_bytes", "Byte budget of the host RAM pool", "GAUGE"),
     ("blocks_evicted", "kvforge_kv_blocks_evicted_total", "KV blocks evicted from the host RAM pool", "COUNTER"),
+    ("expired", "kvforge_expired_requests_total", "Requests ended by the queue or request timeout", "COUNTER"),
+    ("cancel_poll_seconds", "kvforge_cancel_poll_seconds_total",
+     "CPU seconds the sender spent asking whether clients went away (the cost of cancellation)", "COUNTER"),
 ]
+# latency histograms (seconds), observed by the sender as responses go out
+LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+HISTOGRAMS = [
+    ("ttft", "kvforge_time_to_first_token_seconds", "From arrival to the first token sent"),
+    ("inter_token", "kvforge_inter_token_seconds", "Between a stream's consecutive responses, per token"),
+    ("queue", "kvforge_queue_wait_seconds", "From arrival until the request got a KV slot"),
+    ("e2e", "kvforge_request_seconds", "From arrival to the final response"),
+]
+
+
+def env_seconds(name):
+    value = os.environ.get(name)
+    return float(value) if value else None
 
 
 class Client:
     """One request's response sender; without streaming, it gathers the output for one response."""
 
-    def __init__(self, sender, stream: bool):
-        self.sender, self.stream = sender, stream
+    def __init__(self, sender, stream: bool, log_id: str):
+        self.sender, self.stream, self.log_id = sender, stream, log_id
         self.request_id = None  # set once the engine accepted the request
         self.cancelled = self.finished = False
         self.gathered = None
+        self.arrived = time.perf_counter()
+        self.first_token = self.last_sent = self.cancel_seen = None
+        self.next_poll = 0.0
 
 
 def one_value(request, name, default, convert):
@@ -127,6 +155,15 @@ def error(message, code):
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
 
 
+def log_id_of(request):
+    """The id the front (or a gRPC client's `request_id` parameter) gave the request."""
+    try:
+        given = json.loads(request.parameters() or "{}").get("request_id")
+    except ValueError:
+        given = None
+    return str(given)[:64] if given else (request.request_id() or None)
+
+
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
@@ -134,43 +171,60 @@ class TritonPythonModel:
         self.engine = LLMEngine(Path(args["model_repository"]).parent / params["engine_dir"],
                                 slots=int(params["slots"]), max_waiting=int(params["max_waiting"]),
                                 kv_cache_bytes=int(params["kv_cache_bytes"]), **engine_options())
+        self.queue_timeout = env_seconds("KVFORGE_QUEUE_TIMEOUT")
+        self.request_timeout = env_seconds("KVFORGE_REQUEST_TIMEOUT")
+        access_log = os.environ.get("KVFORGE_ACCESS_LOG")
+        self.access_log = Path(access_log) if access_log else None
         self.outbox = queue.Queue()
         self.live = set()
         self.live_lock = threading.Lock()
+        self.poll_seconds = 0.0
         labels = {"model": args["model_name"], "version": args["model_version"]}
         # MetricFamily exists only in a model instance's stub, not while Triton loads this file
         self.families = {key: pb_utils.MetricFamily(name, description, getattr(pb_utils.MetricFamily, kind))
                          for key, name, description, kind in METRICS}
         self.metrics = {key: family.Metric(labels=labels) for key, family in self.families.items()}
+        for key, name, description in HISTOGRAMS:
+            self.families[key] = pb_utils.MetricFamily(name, description, pb_utils.MetricFamily.HISTOGRAM)
+        self.histograms = {key: self.families[key].Metric(labels=labels, buckets=LATENCY_BUCKETS)
+                           for key, _, _ in HISTOGRAMS}
         self.sender = threading.Thread(target=self.send_loop, name="llm-sender", daemon=True)
         self.sender.start()
 
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
+            log_id = log_id_of(request)
             try:
                 control = clear_prefix_cache(request, self.engine)
                 if control is not None:
                     sender.send(control, flags=FINAL)
                     continue
                 prompt, params, stream = parse(request)
-                client = Client(sender, stream)
+                client = Client(sender, stream, log_id)
                 client.request_id = self.engine.submit(prompt, params, lambda out, c=client: self.outbox.put((c, out)),
-                                                       cache_salt=cache_salt(request))
+                                                       cache_salt=cache_salt(request), queue_timeout=self.queue_timeout,
+                                                       timeout=self.request_timeout)
                 with self.live_lock:
                     if not client.finished:  # a short request may be done already
                         self.live.add(client)
             except QueueFullError as e:
-                sender.send(error(str(e), pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
+                sender.send(error(f"{UNAVAILABLE} {e}", pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
+                self.log(dict(request_id=log_id, finish_reason="queue_full"))
             except RequestError as e:
                 sender.send(error(str(e), pb_utils.TritonError.INVALID_ARG), flags=FINAL)
+                self.log(dict(request_id=log_id, finish_reason="invalid", error=str(e)[:200]))
         return None
 
+    def log(self, record):
+        append_json_line(self.access_log, dict(source="engine", **record))
+
     def send_loop(self):
-        next_poll, stopping = 0.0, False
+        next_poll = next_metrics = 0.0
+        stopping = False
         while not stopping:
             try:
-                items = [self.outbox.get(timeout=POLL_SECONDS)]
+                items = [self.outbox.get(timeout=CANCEL_POLL_SECONDS)]
             except queue.Empty:
                 items = []
             while True:
@@ -191,27 +245,33 @@ class TritonPythonModel:
                     self.send(client, out)
                 except Exception as e:  # one request's failed send must not stop every other stream
                     pb_utils.Logger.log_error(f"llm: sending a response failed: {e}")
-            if time.monotonic() >= next_poll:
-                self.poll()
-                next_poll = time.monotonic() + POLL_SECONDS
+            now = time.monotonic()
+            if now >= next_poll:
+                self.poll_cancelled()
+                next_poll = now + CANCEL_POLL_SECONDS
+            if now >= next_metrics:
+                self.update_metrics()
+                next_metrics = now + METRICS_SECONDS
 
     def check_cancelled(self, client):
         """True once the client went away; the engine then ends the request with a "cancelled" output."""
         if client.request_id is not None and not client.cancelled and client.sender.is_cancelled():
-            client.cancelled = True
+            client.cancelled, client.cancel_seen = True, time.perf_counter()
             self.engine.cancel(client.request_id)
         return client.cancelled
 
     def send(self, client, out):
-        # is_cancelled() is a round trip to the server: poll() asks every POLL_SECONDS, not per token
         if client.cancelled and not out.finished:
             return
         if out.finished:
             with self.live_lock:
                 client.finished = True
                 self.live.discard(client)
+        self.observe(client, out)
         if out.finish_reason == "cancelled":
             client.sender.send(error("the request was cancelled", pb_utils.TritonError.CANCELLED), flags=FINAL)
+        elif out.finish_reason == "timeout":
+            client.sender.send(error(f"{UNAVAILABLE} {out.error}", pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
         elif out.error:
             client.sender.send(error(out.error, pb_utils.TritonError.INTERNAL), flags=FINAL)
         elif client.stream:
@@ -222,12 +282,43 @@ class TritonPythonModel:
                 client.sender.send(response(client.gathered.text, client.gathered.token_ids, out.cached_tokens),
                                    flags=FINAL)
 
-    def poll(self):
+    def observe(self, client, out):
+        """Latency histograms as the response goes out; the access-log line when it is the last."""
+        now = time.perf_counter()
+        if out.token_ids:
+            if client.first_token is None:
+                client.first_token = now
+                self.histograms["ttft"].observe(now - client.arrived)
+            elif client.stream:
+                self.histograms["inter_token"].observe((now - client.last_sent) / len(out.token_ids))
+            client.last_sent = now
+        if not out.finished:
+            return
+        self.histograms["e2e"].observe(now - client.arrived)
+        if out.queue_seconds is not None:
+            self.histograms["queue"].observe(out.queue_seconds)
+        ttft = client.first_token - client.arrived if client.first_token else None
+        self.log(dict(request_id=client.log_id, engine_id=client.request_id, stream=client.stream,
+                      prompt_tokens=out.prompt_tokens, output_tokens=out.output_tokens,
+                      finish_reason=out.finish_reason, error=out.error and out.error[:200],
+                      queue_ms=round(1000 * (out.queue_seconds or 0), 2),
+                      ttft_ms=round(1000 * ttft, 2) if ttft is not None else None,
+                      total_ms=round(1000 * (now - client.arrived), 2),
+                      # from seeing the cancellation to the engine's last output: at most one step
+                      stop_ms=round(1000 * (now - client.cancel_seen), 2) if client.cancel_seen else None))
+
+    def poll_cancelled(self):
+        started, now = time.thread_time(), time.monotonic()
         with self.live_lock:
-            clients = list(self.live)
+            clients = [c for c in self.live if c.next_poll <= now]
         for client in clients:
             self.check_cancelled(client)
-        stats = self.engine.stats()
+            client.next_poll = now + (CANCEL_POLL_SECONDS if client.first_token else WAITING_POLL_SECONDS)
+        if clients:  # an idle server's counter stays put
+            self.poll_seconds += time.thread_time() - started
+
+    def update_metrics(self):
+        stats = dict(self.engine.stats(), cancel_poll_seconds=self.poll_seconds)
         for key, _, _, kind in METRICS:
             if kind == "GAUGE":
                 self.metrics[key].set(stats[key])
@@ -239,4 +330,5 @@ class TritonPythonModel:
         self.outbox.put(None)
         self.sender.join()
         self.metrics.clear()  # metrics before their families, as the backend requires
+        self.histograms.clear()
         self.families.clear()

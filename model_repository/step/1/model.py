@@ -1,7 +1,8 @@
 """Triton model `step`: the raw decoder step for scoring, batched by Triton's dynamic batcher.
 
-input_ids [n] (INT64) -> logits [n, vocab] (FP32) of every position. Requests that arrive
-together run as one padded step; no KV cache outlives a request.
+input_ids [1, n] (INT64, one sequence per request; other shapes are refused) -> logits
+[1, n, vocab] (FP32) of every position. Requests that arrive together run as one padded step;
+no KV cache outlives a request.
 """
 import json
 from pathlib import Path

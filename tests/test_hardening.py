@@ -1,0 +1,420 @@
+"""Fault suite: the launcher (front + supervised tritonserver) attacked the way a probe would.
+
+Every wait is bounded and every request goes to loopback. Measured times are printed (run with
+-s to see them); they are not asserted beyond hang bounds, as timings on shared cores vary.
+"""
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from clients.api import GenerationError, LLMClient
+from runtime.triton_server import STUB_NAME, TritonServer, free_ports
+from tests.conftest import SERVING_CONTEXT
+
+PROMPT = "def fibonacci(n):"
+SLOTS, MAX_WAITING = 4, 1
+LONG = 2000  # tokens: a request that outlives what a test does to it
+HANG_BOUND = 60.0  # no wait in this file is longer; reaching it means something hangs
+
+
+def repository(exports, into: Path, max_waiting: int = MAX_WAITING) -> Path:
+    from engines.repository import write_repository
+
+    write_repository(exports(max_seq_len=SERVING_CONTEXT), into, slots=SLOTS)
+    config = into / "llm" / "config.pbtxt"
+    text, count = re.subn(r'(key: "max_waiting" value: \{ string_value: ")\d+', rf"\g<1>{max_waiting}",
+                          config.read_text())
+    assert count == 1, "the llm config has no max_waiting parameter"
+    config.write_text(text)
+    return into
+
+
+def launch(repo: Path, *args: str, log_dir: Path | None = None, prefix: list[str] | None = None) -> TritonServer:
+    http, grpc, metrics = free_ports(3)
+    return TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics, log_dir=log_dir,
+                        extra_args=list(args), launcher_prefix=prefix).start()
+
+
+@pytest.fixture(scope="module")
+def repo(exports, tmp_path_factory):
+    return repository(exports, tmp_path_factory.mktemp("hardening_repo"))
+
+
+@pytest.fixture(scope="module")
+def service(repo, tmp_path_factory):
+    server = launch(repo, log_dir=tmp_path_factory.mktemp("hardening_logs"))
+    yield server
+    server.stop()
+
+
+def request(server: TritonServer, path: str, body: bytes | None = None, headers: dict | None = None,
+            method: str | None = None) -> tuple[int, http.client.HTTPMessage, bytes]:
+    req = urllib.request.Request(f"http://{server.http_url}{path}", data=body, headers=headers or {},
+                                 method=method or ("POST" if body is not None else "GET"))
+    try:
+        with urllib.request.urlopen(req, timeout=HANG_BOUND) as response:
+            return response.status, response.headers, response.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, e.read()
+
+
+def generate(server: TritonServer, **fields) -> tuple[int, http.client.HTTPMessage, bytes]:
+    return request(server, "/v2/models/llm/generate", json.dumps({"text_input": PROMPT, "max_tokens": 4,
+                                                                  **fields}).encode())
+
+
+def serves(server: TritonServer) -> bool:
+    status, _, body = generate(server)
+    return status == 200 and len(json.loads(body)["output_ids"]) == 4
+
+
+def wait_until(condition, what: str, timeout: float = HANG_BOUND, every: float = 0.02) -> float:
+    """Seconds until condition() held; fails after timeout."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if condition():
+            return time.monotonic() - started
+        time.sleep(every)
+    raise AssertionError(f"{what} did not happen within {timeout:.0f} s")
+
+
+def events(server: TritonServer) -> list[dict]:
+    return [json.loads(line) for line in (server.log_dir / "kvforge.jsonl").read_text().splitlines()]
+
+
+class Streams:
+    """Long streams held open in threads (gRPC straight to Triton, HTTP through the front);
+    each records how it ended and when."""
+
+    def __init__(self, server: TritonServer, grpc: int, http: int):
+        self.results: list = []
+        self.stop = threading.Event()  # set: the streams leave (cancel) at their next token
+        self.started = threading.Barrier(grpc + http + 1)
+        self.threads = [threading.Thread(target=self.one, args=(server.grpc_url, "grpc"), daemon=True)
+                        for _ in range(grpc)]
+        self.threads += [threading.Thread(target=self.one, args=(server.http_url, "http"), daemon=True)
+                         for _ in range(http)]
+        for t in self.threads:
+            t.start()
+        self.started.wait(HANG_BOUND)
+
+    def one(self, url: str, protocol: str) -> None:
+        client = LLMClient(url, protocol, timeout=HANG_BOUND)
+        first = True
+        try:
+            for _ in client.stream(PROMPT, max_tokens=LONG):
+                if first:
+                    first = False
+                    self.started.wait(HANG_BOUND)
+                if self.stop.is_set():
+                    self.results.append(("left", time.monotonic()))
+                    return
+            self.results.append(("finished", time.monotonic()))
+        except GenerationError as e:
+            if first:
+                self.started.wait(HANG_BOUND)
+            self.results.append((str(e), time.monotonic()))
+
+    def join(self) -> list:
+        for t in self.threads:
+            t.join(HANG_BOUND)
+        assert not any(t.is_alive() for t in self.threads), "a stream hangs"
+        return self.results
+
+
+# ---------------------------------------------------------------- 1. control APIs closed
+
+def test_control_apis_need_the_key_and_the_rest_stays_open(service):
+    key = {"kvforge-key": service.control_key}
+    model_py = b"import triton_python_backend_utils as pb\nclass TritonPythonModel:\n    pass\n"
+    upload = json.dumps({"parameters": {
+        "config": json.dumps({"backend": "python", "max_batch_size": 0,
+                              "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [1]}],
+                              "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [1]}]}),
+        "file:1/model.py": base64.b64encode(model_py).decode()}}).encode()
+    anonymous = [("/v2/repository/models/llm/unload", b"{}"), ("/v2/repository/models/step/load", b"{}"),
+                 ("/v2/repository/models/uploaded/load", upload), ("/v2/repository/index", b"{}"),
+                 ("/v2/logging", None), ("/v2/trace/setting", None), ("/v2/systemsharedmemory/status", None)]
+    for path, body in anonymous:
+        status, _, text = request(service, path, body)
+        assert status == 403 and b"restricted" in text, (path, status, text)
+    for header in ({"kvforge-key": "wrong"}, {}):
+        with pytest.raises(Exception, match="restricted|kvforge-key"):
+            grpcclient.InferenceServerClient(service.grpc_url).unload_model("llm", headers=header)
+    assert request(service, "/v2/models/uploaded/ready")[0] != 200  # the refused upload never loaded
+    assert serves(service)
+    # open to anyone: health, metadata, config, statistics, inference
+    for path in ("/v2/health/live", "/v2/health/ready", "/v2", "/v2/models/llm", "/v2/models/llm/config",
+                 "/v2/models/llm/ready", "/v2/models/llm/stats"):
+        assert request(service, path)[0] == 200, path
+    # the key holder can load (an upload too) and unload
+    assert request(service, "/v2/repository/models/uploaded/load", upload, key)[0] == 200
+    assert request(service, "/v2/models/uploaded/ready")[0] == 200
+    assert request(service, "/v2/repository/models/uploaded/unload", b"{}", key)[0] == 200
+    wait_until(lambda: request(service, "/v2/models/uploaded/ready")[0] != 200, "the upload unloaded")
+    assert request(service, "/v2/repository/models/step/load", b"{}", key)[0] == 200
+    assert serves(service)
+    time.sleep(1.0)  # longer than the supervisor's grace for a replaced stub
+    assert not [e for e in events(service) if e.get("event") == "restart"]  # reload and unload are no deaths
+    # the key is never written to a log
+    for log in service.log_dir.iterdir():
+        assert service.control_key not in log.read_text(errors="replace"), log.name
+
+
+def test_control_apis_stay_restricted_on_every_host():
+    from runtime.triton_server import TritonProcess
+
+    command = TritonProcess(Path("repo"), "0.0.0.0", 1, 2, 3, "k" * 20, Path("log"), {}).command(Path("b"))
+    restricted = "model-repository,logging,trace,shared-memory:kvforge-key=" + "k" * 20
+    assert f"--http-restricted-api={restricted}" in command
+    assert f"--grpc-restricted-protocol={restricted}" in command
+    assert "--http-address=127.0.0.1" in command  # Triton's own HTTP stays private: the front owns HOST
+
+
+# ---------------------------------------------------------------- 2. bodies bounded, server supervised
+
+def test_big_bodies_are_refused_before_triton_sees_them(service):
+    pid = service.tritonserver_pid()
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    status, _, text = request(service, "/v2/models/llm/generate", b"a" * (5 << 20), form)
+    assert status == 413 and "the limit is" in json.loads(text)["error"]
+    status, _, _ = request(service, "/v2/repository/index", b"a" * (5 << 20), form)
+    assert status == 413
+    # a chunked body declares no length: it is counted as it arrives
+    connection = http.client.HTTPConnection(*service.http_url.split(":"), timeout=HANG_BOUND)
+    connection.request("POST", "/v2/models/llm/generate", body=iter([b"a" * (64 << 10)] * 80),
+                       headers={**form, "Transfer-Encoding": "chunked"}, encode_chunked=True)
+    response = connection.getresponse()
+    assert response.status == 413 and "the limit is" in json.loads(response.read())["error"]
+    connection.close()
+    # a small form-encoded body is JSON to Triton (the front fixes curl -d's content type)
+    status, _, _ = request(service, "/v2/models/llm/generate",
+                           json.dumps({"text_input": PROMPT, "max_tokens": 3}).encode(), form)
+    assert status == 200
+    assert service.tritonserver_pid() == pid and serves(service)
+
+
+@pytest.mark.parametrize("body, status, message", [
+    (b'{"text_input": "x", "max_tokens": ', 400, "not valid JSON"),
+    (b'[1, 2]', 400, "must be a JSON object"),
+    (b'{"text_input": 7, "max_tokens": 3}', 400, "text_input must be a string"),
+    (b'{"text_input": "x", "max_tokens": "many"}', 400, "max_tokens must be an integer"),
+    (b'{"text_input": "x", "max_tokens": true}', 400, "max_tokens must be an integer"),
+    (b'{"text_input": "x", "max_tokens": 3, "seed": -1}', 400, "seed must be an integer in 0..2**64-1"),
+    (b'{"text_input": "x", "max_tokens": 3, "temperature": "hot"}', 400, "temperature must be a number"),
+    (b'{"text_input": "x", "max_tokens": 3, "stop": [1]}', 400, "stop must be a string or a list"),
+    (b'{"text_input": "x", "max_tokens": 3, "stream": "yes"}', 400, "stream must be true or false"),
+    (b'\xff\xfe', 400, "not valid JSON"),
+])
+def test_client_mistakes_get_4xx_naming_the_field(service, body, status, message):
+    for endpoint in ("generate", "generate_stream"):
+        got, _, text = request(service, f"/v2/models/llm/{endpoint}", body)
+        assert got == status and message in json.loads(text)["error"], (endpoint, got, text)
+    assert serves(service)
+
+
+# ---------------------------------------------------------------- 4, 5. step shape, short errors
+
+def test_step_refuses_more_than_one_row(service):
+    client = httpclient.InferenceServerClient(service.http_url)
+    rows = httpclient.InferInput("input_ids", [2, 5], "INT64")
+    rows.set_data_from_numpy(np.arange(10, dtype=np.int64).reshape(2, 5))
+    with pytest.raises(Exception, match=re.escape("input_ids must have shape [1, n]")):
+        client.infer("step", [rows])
+    one = httpclient.InferInput("input_ids", [1, 5], "INT64")
+    one.set_data_from_numpy(np.arange(5, dtype=np.int64)[None])
+    assert client.infer("step", [one]).as_numpy("logits").shape[:2] == (1, 5)
+
+
+def test_errors_quote_a_bounded_part_of_the_input(service):
+    huge = "s" * 1_000_000
+    for protocol, url in (("http", service.http_url), ("grpc", service.grpc_url)):
+        with pytest.raises(GenerationError) as error:
+            LLMClient(url, protocol).generate("x", max_tokens=3, stop=[huge], stream=False)
+        message = str(error.value)
+        assert "1000000 characters" in message and len(message) < 400, message[:500]
+    status, _, text = generate(service, max_tokens="m" * 500_000)
+    assert status == 400 and len(text) < 400 and b"500000 characters" in text
+
+
+# ---------------------------------------------------------------- 7. queue full, 9. deadlines
+
+def test_full_queue_is_503_over_http_and_unavailable_over_grpc(exports, tmp_path):
+    # a queue of 0 places refuses every request as a full queue would: no race with slot holders
+    server = launch(repository(exports, tmp_path / "repo", max_waiting=0), log_dir=tmp_path / "logs")
+    try:
+        for endpoint, stream in (("generate", False), ("generate_stream", True)):
+            status, headers, text = request(server, f"/v2/models/llm/{endpoint}", json.dumps(
+                {"text_input": PROMPT, "max_tokens": 3, "stream": stream}).encode())
+            assert status == 503 and headers.get("Retry-After") == "1", (endpoint, status, text)
+            assert json.loads(text)["error"].startswith("UNAVAILABLE: the waiting queue is full")
+        with pytest.raises(GenerationError, match="^UNAVAILABLE: the waiting queue is full"):
+            LLMClient(server.grpc_url).generate(PROMPT, max_tokens=3)
+        assert server.ready()  # refusing for load is not being broken
+    finally:
+        server.stop()
+
+
+def test_deadlines_end_requests_with_a_clear_error(exports):
+    from runtime.llm_engine import LLMEngine, SamplingParams
+
+    with LLMEngine(exports(max_seq_len=SERVING_CONTEXT), slots=1) as engine:
+        outputs = {}
+
+        def collect(out):
+            if out.finished:
+                outputs[out.request_id] = out
+
+        running = engine.submit(PROMPT, SamplingParams(max_tokens=LONG), collect, timeout=0.05)
+        queued = engine.submit(PROMPT, SamplingParams(max_tokens=LONG), collect, queue_timeout=0.01)
+        wait_until(lambda: len(outputs) == 2, "both requests ended")
+    assert outputs[running].finish_reason == "timeout" and "request timeout" in outputs[running].error
+    assert outputs[running].output_tokens < LONG
+    assert outputs[queued].finish_reason == "timeout" and "queue timeout" in outputs[queued].error
+    assert outputs[queued].output_tokens == 0
+
+
+def test_request_timeout_through_the_server(repo, tmp_path):
+    server = launch(repo, "--request-timeout", "0.05", log_dir=tmp_path)
+    try:
+        with pytest.raises(GenerationError, match="^UNAVAILABLE: .*past the server's request timeout"):
+            LLMClient(server.grpc_url).generate(PROMPT, max_tokens=LONG)
+        log = [e for e in events(server) if e.get("source") == "engine"]
+        assert log[-1]["finish_reason"] == "timeout" and log[-1]["output_tokens"] < LONG
+    finally:
+        server.stop()
+
+
+# ---------------------------------------------------------------- 8. disconnects free the slot
+
+def metric(server: TritonServer, name: str) -> float:
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_http_disconnect_through_the_front_frees_the_slot(service):
+    cancelled = metric(service, "kvforge_cancelled_requests_total")
+    connection = http.client.HTTPConnection(*service.http_url.split(":"), timeout=HANG_BOUND)
+    connection.request("POST", "/v2/models/llm/generate_stream",
+                       json.dumps({"text_input": PROMPT, "max_tokens": LONG, "stream": True}))
+    response = connection.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data:")
+    connection.sock.shutdown(2)
+    connection.close()
+    wait_until(lambda: metric(service, "kvforge_cancelled_requests_total") > cancelled, "the cancellation")
+    wait_until(lambda: metric(service, "kvforge_running_sequences") == 0, "the slot freed")
+    assert metric(service, "kvforge_generated_tokens_total") > 0
+
+
+# ---------------------------------------------------------------- 9. access log, histograms
+
+def test_one_request_id_from_the_front_to_the_engine_and_no_prompt_in_the_log(service):
+    secret_prompt = "def confidential_function_name_zq9():"
+    status, headers, _ = request(service, "/v2/models/llm/generate", json.dumps(
+        {"text_input": secret_prompt, "max_tokens": 5}).encode(), {"X-Request-ID": "probe-42"})
+    assert status == 200 and headers["X-Request-ID"] == "probe-42"
+    wait_until(lambda: sum(e.get("request_id") == "probe-42" for e in events(service)) == 2, "both log lines")
+    front, engine = sorted((e for e in events(service) if e.get("request_id") == "probe-42"),
+                           key=lambda e: e["source"], reverse=True)
+    assert front["source"] == "front" and front["status"] == 200 and front["total_ms"] > 0
+    assert engine["source"] == "engine" and engine["output_tokens"] == 5 and engine["finish_reason"] == "length"
+    assert engine["prompt_tokens"] > 0 and engine["ttft_ms"] > 0
+    assert "confidential_function_name_zq9" not in (service.log_dir / "kvforge.jsonl").read_text()
+    assert len(LLMClient(service.grpc_url).generate(PROMPT, max_tokens=100).token_ids) == 100  # a stream
+    wait_until(lambda: metric(service, "kvforge_inter_token_seconds_count") > 0, "inter-token times")
+    for name in ("kvforge_time_to_first_token_seconds", "kvforge_inter_token_seconds",
+                 "kvforge_queue_wait_seconds", "kvforge_request_seconds"):
+        assert metric(service, f"{name}_count") > 0, name
+        assert metric(service, f"{name}_bucket") > 0, name
+
+
+# ---------------------------------------------------------------- 3. dead stub healed; kill -9 of the server
+
+def stub_pids(server: TritonServer) -> list[int]:
+    pid = server.tritonserver_pid()
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(p) for p in children if STUB_NAME.startswith(Path(f"/proc/{p}/comm").read_text().strip())]
+
+
+def llm_stub(server: TritonServer) -> int:
+    for pid in stub_pids(server):
+        if b"llm" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return pid
+    raise AssertionError("no llm stub")
+
+
+def not_ready_everywhere(server: TritonServer) -> bool:
+    return all(request(server, path)[0] == 503 for path in ("/v2/health/ready", "/v2/models/llm/ready"))
+
+
+@pytest.mark.parametrize("victim", ["llm stub", "tritonserver"])
+def test_a_killed_backend_or_server_is_restarted_and_streams_end(service, victim):
+    restarts = sum(e.get("event") == "restart" for e in events(service))
+    streams = Streams(service, grpc=SLOTS // 2, http=SLOTS - SLOTS // 2)
+    killed = time.monotonic()
+    os.kill(llm_stub(service) if victim == "llm stub" else service.tritonserver_pid(), signal.SIGKILL)
+    broken = wait_until(lambda: not_ready_everywhere(service), "readiness false")
+    results = streams.join()
+    ended = max(t for _, t in results) - killed
+    ready = wait_until(service.ready, "ready again", every=0.05) + broken
+    print(f"\n{victim} killed: not ready after {broken:.2f} s, streams ended after {ended:.2f} s, "
+          f"ready again after {ready:.2f} s")
+    assert len(results) == SLOTS and all(r not in ("finished", "left") for r, _ in results), results
+    assert serves(service)
+    new = [e for e in events(service) if e.get("event") == "restart"][restarts:]
+    assert len(new) == 1 and new[0]["reason"] == ("stub_died" if victim == "llm stub" else "server_exited")
+
+
+# ---------------------------------------------------------------- 9. deadline, drain; full disk
+
+def test_sigterm_drains_readiness_first_and_in_flight_requests_finish(repo, tmp_path):
+    server = launch(repo, "--drain-seconds", "30", log_dir=tmp_path)
+    try:
+        client, tokens = LLMClient(server.http_url, "http", timeout=HANG_BOUND), []
+        for delta in client.stream(PROMPT, max_tokens=LONG):
+            if not tokens:
+                server.process.send_signal(signal.SIGTERM)
+                wait_until(lambda: not server.ready(), "readiness false while draining")
+                status, _, text = generate(server)
+                assert status == 503 and "shutting down" in json.loads(text)["error"]
+            tokens += delta.token_ids
+        assert len(tokens) == LONG  # the in-flight request finished
+        assert server.process.wait(HANG_BOUND) == 0
+    finally:
+        server.stop()
+
+
+def test_a_full_log_disk_does_not_stop_serving(repo, tmp_path):
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) is not installed")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    # a private mount namespace: a 256 KiB tmpfs over the log dir, filled before the server starts
+    prefix = ["unshare", "-rm", "sh", "-c",
+              f"mount -t tmpfs -o size=256k tmpfs {logs} && head -c 240k /dev/zero > {logs}/filler; exec \"$@\"",
+              "sh"]
+    # the launcher's own output stays outside (readable if this fails); Triton's and kvforge's logs go in
+    server = launch(repo, "--log-dir", str(logs), log_dir=tmp_path / "launcher", prefix=prefix)
+    try:
+        assert serves(server)
+        assert len(LLMClient(server.grpc_url).generate(PROMPT, max_tokens=50).token_ids) == 50
+        assert not list(logs.iterdir()), "the tmpfs was visible outside its namespace"
+    finally:
+        server.stop()
