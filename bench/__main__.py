@@ -1,7 +1,7 @@
 """python -m bench [--quick] [--out DIR]: measure what the KV cache buys, against peers, with plots.
 
 Sections (issue 5): cache vs no cache, KV layouts, KV dtypes, peers, serving through Triton,
-roofline, prefill (issue 13), weight quantization; (issue 9) prefix caching. Writes DIR/bench.json, DIR/bench.md and PNG plots; a section
+roofline, prefill (issue 13), weight quantization; (issue 9) prefix caching; (issue 10) KV tiers. Writes DIR/bench.json, DIR/bench.md and PNG plots; a section
 that fails is recorded with its error, the others still run, and the exit code is 1.
 """
 from __future__ import annotations
@@ -18,7 +18,8 @@ from pathlib import Path
 from bench import common
 from bench.common import ROOT, Artifacts, SectionError, params, say
 
-SECTIONS = ("layouts", "cache", "kv_dtypes", "peers", "roofline", "prefill", "weights", "serving", "prefix_cache")
+SECTIONS = ("layouts", "cache", "kv_dtypes", "peers", "roofline", "prefill", "weights", "serving", "prefix_cache",
+            "kv_tiers")
 RESULT_KEYS = {"cache": "cache_speedup"}  # the issue's name for the section's top-level key
 
 
@@ -31,9 +32,11 @@ def prepare(p, artifacts: Artifacts, sections: set[str]) -> None:
     jobs = []
     if sections & {"layouts", "cache", "peers", "roofline", "weights", "serving", "prefix_cache"}:
         jobs += [(p.model, layout, "fp32") for layout in ("concat", "inplace")]
+    if "kv_tiers" in sections:
+        jobs.append((p.model, "inplace", "fp32"))
     if "kv_dtypes" in sections:
         jobs += [(p.quality_model, "inplace", d) for d in common.runnable_kv_dtypes()]
-    if sections & {"weights", "prefix_cache"}:
+    if sections & {"weights", "prefix_cache", "kv_tiers"}:
         jobs.append((p.quality_model, "inplace", "fp32"))
     jobs += [(model, "inplace", "fp32") for model in sorted(peer_models)]
     with ThreadPoolExecutor(2) as pool:

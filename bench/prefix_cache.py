@@ -243,6 +243,14 @@ def copy_cost(engine_dir, s: Shape, prefill_s: float | None) -> dict:
             "block_sizes": rows}
 
 
+def section_engine(params: Params, artifacts) -> tuple[str, object, Texts]:
+    """The model these sections measure (the small quality model in a quick run), its fp32 in-place
+    ONNX Runtime engine dir and its held-out texts."""
+    model = params.quality_model if params.quick else params.model
+    engine_dir = artifacts.engine(artifacts.export(model, "inplace", "fp32"), "fp32", params.threads)
+    return model, engine_dir, Texts(engine_dir)
+
+
 def run(params: Params, artifacts) -> dict:
     import os
 
@@ -251,9 +259,7 @@ def run(params: Params, artifacts) -> dict:
     from runtime.triton_server import TritonServer, free_ports
 
     s = shape(params.quick)
-    model = params.quality_model if params.quick else params.model
-    engine_dir = artifacts.engine(artifacts.export(model, "inplace", "fp32"), "fp32", params.threads)
-    texts = Texts(engine_dir)
+    model, engine_dir, texts = section_engine(params, artifacts)
     load_at_start = os.getloadavg()
     engines = {"on": LLMEngine(engine_dir, threads=params.threads),
                "off": LLMEngine(engine_dir, threads=params.threads, prefix_cache=False)}

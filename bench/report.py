@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from bench import prefill, prefix_cache
+from bench import kv_tiers, prefill, prefix_cache
 from bench.common import write_json
 
-PLOTS = ("cache.png", "layouts.png", "serving.png", "prefix_cache.png")
+PLOTS = ("cache.png", "layouts.png", "serving.png", "prefix_cache.png", "kv_tiers.png")
 NOT_EVALUATED = None
 
 
@@ -190,6 +190,7 @@ def targets(results: dict) -> list[dict]:
             *peer_targets(results.get("peers"), results.get("roofline")), roofline_target(results.get("roofline")),
             *serving_targets(results.get("serving")), kv_dtype_target(results.get("kv_dtypes")),
             *prefix_cache.targets(results.get("prefix_cache"), target, _skipped),
+            *kv_tiers.targets(results.get("kv_tiers"), target, _skipped),
             *prefill.targets(results.get("peers"), results.get("prefill"), target, _skipped)]
 
 
@@ -407,7 +408,8 @@ def _md_weights(weights: dict) -> list[str]:
 
 SECTION_MARKDOWN = {"cache_speedup": _md_cache, "layouts": _md_layouts, "kv_dtypes": _md_kv_dtypes,
                     "peers": _md_peers, "serving": _md_serving, "roofline": _md_roofline, "weights": _md_weights,
-                    "prefix_cache": lambda section: prefix_cache.markdown(section, _table)}
+                    "prefix_cache": lambda section: prefix_cache.markdown(section, _table),
+                    "kv_tiers": lambda section: kv_tiers.markdown(section, _table)}
 # the peers' TTFT table and the prefill profile: one renderer for two sections (bench/prefill.py)
 ISSUE_13 = ("peers", "prefill")
 
@@ -452,5 +454,6 @@ def write(results: dict, out: Path) -> None:
     plot_layouts(plt, results.get("layouts"), out / "layouts.png")
     plot_serving(plt, results.get("serving"), out / "serving.png")
     prefix_cache.plot(plt, results.get("prefix_cache"), out / "prefix_cache.png")
+    kv_tiers.plot(plt, results.get("kv_tiers"), out / "kv_tiers.png")
     write_json(out / "bench.json", results)
     (out / "bench.md").write_text(markdown(results))

@@ -31,9 +31,11 @@ from collections import OrderedDict
 import numpy as np
 
 from kvforge.manifest import KVBlockSpec
+from runtime.kv_tiers import LowerTiers
 from runtime.runner_api import Blocks, Runner
 from runtime.sequence import Sequence
 
+SWAP_RESERVE = 0.5  # share of the host pool that swapped-out rows may take; beyond it, preempt by recompute
 HASH_BYTES = 16  # 128-bit names: no collision between the blocks of any realistic cache
 MAX_CACHE_SALT_BYTES = 256
 # Default pool budget: a quarter of the machine's RAM, at most 8 GiB (pages are committed only
@@ -73,6 +75,7 @@ class HostBlockPool:
         self.by_hash: dict[bytes, int] = {}
         self.hash_of: dict[int, bytes] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
+        self.on_evict = None  # (hash, read the block) -> None: the disk tier keeps what RAM lets go
         self.counters = dict(blocks_evicted=0, blocks_stored=0, blocks_deduplicated=0, blocks_dropped=0)
 
     @property
@@ -110,6 +113,8 @@ class HostBlockPool:
         if not self.evictable:
             return None
         block, _ = self.evictable.popitem(last=False)
+        if self.on_evict is not None:
+            self.on_evict(self.hash_of[block], lambda: {name: array[block] for name, array in self.arrays.items()})
         del self.by_hash[self.hash_of.pop(block)]
         self.counters["blocks_evicted"] += 1
         return block
@@ -156,12 +161,22 @@ class KVManager:
     """Not thread-safe: the scheduler calls it under the engine's lock."""
 
     def __init__(self, runner: Runner, slots: int, kv_cache_bytes: int, pool: HostBlockPool | None,
-                 namespace: bytes):
+                 namespace: bytes, tiers: LowerTiers | None = None, optimistic: bool = False):
         self.runner = runner
         self.slots = slots
         self.kv_cache_bytes = kv_cache_bytes
         self.pool = pool
         self.namespace = namespace
+        # optimistic: admit on what sequences hold now, and preempt (swap / recompute) when they
+        # outgrow the budget; else reserve each promise (prompt + max_tokens) up front
+        self.optimistic = optimistic
+        self.swapped_blocks = 0  # pool blocks holding swapped-out rows, within SWAP_RESERVE of the pool
+        self.tiers = tiers  # disk / Redis below the pool (runtime/kv_tiers.py); needs the pool
+        # request id -> pool blocks a loading request holds (its RAM hit and what arrived), so
+        # promoting the rest of its prefix cannot evict the head
+        self.loading_refs: dict[int, list[int]] = {}
+        if tiers is not None:
+            pool.on_evict = tiers.demote
         self.block_tokens = runner.block.tokens
         self.bytes_per_token = runner.manifest.kv_bytes_per_token
         self.in_flight: dict[bytes, int] = {}  # block hash -> request id of the running sequence computing it
@@ -180,11 +195,38 @@ class KVManager:
     def fits_ever(self, seq: Sequence) -> bool:
         return self._slot_bytes(1, seq.max_tokens_total) <= self.kv_cache_bytes
 
+    def _needs(self, seq: Sequence) -> int:
+        """Capacity seq needs: its promise when reserving, else what the next step writes (at most all its tokens)."""
+        return len(seq.tokens) if self.optimistic else seq.max_tokens_total
+
     def can_admit(self, seq: Sequence, running: list[Sequence]) -> bool:
         if len(running) >= self.slots:
             return False
-        longest = max([s.max_tokens_total for s in running] + [seq.max_tokens_total])
+        longest = max(self._needs(s) for s in [*running, seq])
         return self._slot_bytes(self._rows_for(len(running) + 1), longest) <= self.kv_cache_bytes
+
+    def fits(self, running: list[Sequence]) -> bool:
+        """Whether the next step of `running` fits the budget (always true when reserving)."""
+        return self._slot_bytes(self._rows_for(len(running)), max(map(self._needs, running))) <= self.kv_cache_bytes
+
+    def preempt(self, seq: Sequence, row: int) -> list[int] | None:
+        """seq leaves the batch for now: its row goes to pool blocks (returned; None when the swap
+        reserve is used up or there is no pool: seq will be recomputed from its tokens). Requests
+        waiting for blocks it announced compute them themselves."""
+        for h in seq.block_hashes:
+            if self.in_flight.get(h) == seq.request_id:
+                del self.in_flight[h]
+        blocks = -(-seq.num_cached // self.block_tokens)
+        swapped = None
+        if self.pool is not None and self.swapped_blocks + blocks <= SWAP_RESERVE * self.pool.num_blocks:
+            swapped = self.swap_out(seq, row)
+        if swapped is None:
+            if self.pool is not None:
+                self.pool.release(seq.pool_blocks[::-1])
+            seq.pool_blocks, seq.num_stored_blocks, seq.num_cached, seq.stores_blocks = [], 0, 0, True
+        else:
+            self.swapped_blocks += len(swapped)
+        return swapped
 
     def make_room(self, sequences: int) -> None:
         """Enough runner rows for `sequences` packed rows (the ones before keep their KV)."""
@@ -206,6 +248,14 @@ class KVManager:
         capacity = self.runner.bucket_for(max((s.num_cached + 1 for s in running), default=1))
         slots = self.runner.slots if running else 1
         if capacity < self.runner.capacity or slots < self.runner.slots:
+            self.runner.resize(capacity, len(running), slots=slots)
+            self.counters["resizes"] += 1
+
+    def refit(self, running: list[Sequence]) -> None:
+        """After a preemption: exactly the rows and capacity `running` needs, within the budget again."""
+        capacity = self.runner.bucket_for(max(s.num_cached + 1 for s in running))
+        slots = self._rows_for(len(running))
+        if (capacity, slots) != (self.runner.capacity, self.runner.slots):
             self.runner.resize(capacity, len(running), slots=slots)
             self.counters["resizes"] += 1
 
@@ -253,6 +303,7 @@ class KVManager:
             self.counters["prefix_cache_hit_tokens"] += tokens
             seq.num_cached = seq.cached_tokens = tokens
             seq.pool_blocks, seq.num_stored_blocks = list(hit), len(hit)
+        self._drop_loading_refs(seq)
         for h in self._hashes(seq, seq.num_prompt // self.block_tokens)[len(hit):]:
             self.in_flight.setdefault(h, seq.request_id)
 
@@ -267,7 +318,10 @@ class KVManager:
             if self.in_flight.get(h) == seq.request_id:
                 del self.in_flight[h]
         began = time.perf_counter()
-        ids = self.pool.put(self.runner.read_blocks(row, start, len(hashes)), hashes)
+        data = self.runner.read_blocks(row, start, len(hashes))
+        ids = self.pool.put(data, hashes)
+        if self.tiers is not None:  # write-behind: every full block reaches disk / Redis when it is made
+            self.tiers.store(hashes, data)
         self.counters["copy_out_seconds"] += time.perf_counter() - began
         self.counters["copy_out_blocks"] += len(hashes)
         seq.pool_blocks += ids
@@ -275,12 +329,51 @@ class KVManager:
         if len(ids) < len(hashes):  # the pool is full of referenced blocks: a gap ends seq's chain
             seq.stores_blocks = False
 
+    # ------------------------------------------------------------------ lower tiers (disk, Redis)
+
+    def start_load(self, seq: Sequence, hit: list[int], recompute_seconds: float | None) -> bool:
+        """Ask the tiers below RAM for the prompt blocks after `hit` (once per request); True if
+        seq should wait in the loading state for them."""
+        if self.tiers is None or seq.tiers_checked:
+            return False
+        seq.tiers_checked = True
+        hashes = self._hashes(seq, (seq.num_prompt - 1) // self.block_tokens)[len(hit):]
+        if not hashes:
+            return False
+        self.pool.acquire(hit)
+        self.loading_refs[seq.request_id] = list(hit)
+        self.tiers.request_load(seq.request_id, hashes, recompute_seconds)
+        return True
+
+    def finish_loads(self) -> list[int]:
+        """Promote finished loads into the RAM pool, held for their request until it is admitted
+        (match then finds them); returns the request ids whose loads ended."""
+        ended = []
+        for request_id, hashes, found in self.tiers.finished_loads() if self.tiers is not None else []:
+            if found:
+                data = {name: np.stack([block[name] for block in found]) for name in self.pool.arrays}
+                ids = self.pool.put(data, hashes)
+                if request_id in self.loading_refs:
+                    self.loading_refs[request_id] += ids
+                else:  # the request went on without it: the blocks stay cached for the next one
+                    self.pool.release(ids[::-1])
+            ended.append(request_id)
+        return ended
+
+    def _drop_loading_refs(self, seq: Sequence) -> None:
+        if self.pool is not None:
+            self.pool.release(self.loading_refs.pop(seq.request_id, [])[::-1])
+
     def release(self, seq: Sequence) -> None:
         """seq left: its references go (tail first, so the tail is evicted first); its announced
         blocks are no longer coming."""
         if self.pool is not None:
             self.pool.release(seq.pool_blocks[::-1])
-        seq.pool_blocks = []
+            if seq.swapped_blocks is not None:  # cancelled while preempted
+                self.pool.release(seq.swapped_blocks)
+                self.swapped_blocks -= len(seq.swapped_blocks)
+        seq.pool_blocks, seq.swapped_blocks = [], None
+        self._drop_loading_refs(seq)
         for h in seq.block_hashes:
             if self.in_flight.get(h) == seq.request_id:
                 del self.in_flight[h]
@@ -306,13 +399,15 @@ class KVManager:
         self.fit_capacity(seq.num_cached + 1, rows)
         self.runner.write_blocks(row, 0, self.pool.get(blocks))
         self.pool.release(blocks)
+        self.swapped_blocks = max(0, self.swapped_blocks - len(blocks))
 
     def stats(self) -> dict:
         pool = self.pool
+        tiers = self.tiers.stats() if self.tiers is not None else LowerTiers.no_stats()
         return dict(kv_utilization=self.utilization, kv_bytes_allocated=self.runner.kv_bytes_allocated,
                     kv_cache_bytes=self.kv_cache_bytes, capacity=self.runner.capacity, **self.counters,
                     kv_host_pool_bytes=pool.bytes_used if pool else 0,
                     kv_host_pool_budget_bytes=pool.budget_bytes if pool else 0,
                     kv_host_pool_blocks=pool.num_blocks if pool else 0,
                     **(pool.counters if pool else dict(blocks_evicted=0, blocks_stored=0, blocks_deduplicated=0,
-                                                       blocks_dropped=0)))
+                                                       blocks_dropped=0)), **tiers)

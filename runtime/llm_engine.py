@@ -18,6 +18,7 @@ from typing import Callable
 
 from kvforge.manifest import Manifest, ManifestError, cache_namespace
 from runtime.kv_manager import MAX_CACHE_SALT_BYTES, HostBlockPool, KVManager, default_kv_host_bytes
+from runtime.kv_tiers import BlockCodec, DiskTier, LowerTiers, RedisTier
 from runtime.limits import DEFAULT_KV_CACHE_BYTES, Limits
 from runtime.runner import open_runner
 from runtime.sampling import RequestError, SamplingParams
@@ -28,15 +29,26 @@ from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 __all__ = ["LLMEngine", "RequestError", "QueueFullError", "RequestOutput", "SamplingParams"]
 
 log = logging.getLogger("kvforge.engine")
+DEFAULT_KV_DISK_BYTES = 8 << 30
+LOAD_POLL_SECONDS = 0.01
 Prompt = str | list[int]
 
 
 class LLMEngine:
     def __init__(self, engine_dir: Path | str, *, slots: int | None = None, max_waiting: int | None = None,
                  kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, prefill_tokens: int = PREFILL_TOKENS,
-                 threads: int | None = None, prefix_cache: bool = True, kv_host_bytes: int | None = None):
+                 threads: int | None = None, prefix_cache: bool = True, kv_host_bytes: int | None = None,
+                 kv_disk_dir: Path | str | None = None, kv_disk_bytes: int = DEFAULT_KV_DISK_BYTES,
+                 kv_redis_url: str | None = None, kv_redis_ttl: int | None = None, admission: str = "optimistic"):
         """prefix_cache: reuse the KV of repeated prompt prefixes from a host RAM pool of
-        kv_host_bytes (default: a quarter of RAM, at most 8 GiB)."""
+        kv_host_bytes (default: a quarter of RAM, at most 8 GiB), and below it from files in
+        kv_disk_dir (at most kv_disk_bytes) and from the Redis at kv_redis_url (keys expire after
+        kv_redis_ttl seconds if given), which other replicas of the same model share.
+        admission: "optimistic" admits on the KV sequences hold now and, when they outgrow
+        kv_cache_bytes, preempts the youngest (its row swapped to the host pool, or recomputed
+        beyond the swap reserve); "reserve" promises every request prompt + max_tokens up front."""
+        if admission not in ("optimistic", "reserve"):
+            raise ValueError(f"admission must be 'optimistic' or 'reserve', got {admission!r}")
         engine_dir = Path(engine_dir)
         manifest = Manifest.load(engine_dir)
         if manifest.kv_layout != "inplace":
@@ -50,11 +62,20 @@ class LLMEngine:
         if kv_host_bytes < 0:
             raise ValueError(f"kv_host_bytes must be >= 0, got {kv_host_bytes}")
         pool = HostBlockPool(self.runner.block, kv_host_bytes) if prefix_cache else None
-        self.kv = KVManager(self.runner, self.limits.slots, self.limits.kv_cache_bytes, pool,
-                            cache_namespace(manifest))
+        self._cond = threading.Condition()
+        namespace = cache_namespace(manifest)
+        self.tiers = None
+        if pool is not None and (kv_disk_dir or kv_redis_url):
+            if kv_disk_bytes <= 0 or (kv_redis_ttl is not None and kv_redis_ttl <= 0):
+                raise ValueError("kv_disk_bytes and kv_redis_ttl must be > 0")
+            codec = BlockCodec(self.runner.block, namespace)
+            self.tiers = LowerTiers(codec, DiskTier(Path(kv_disk_dir), kv_disk_bytes, codec) if kv_disk_dir else None,
+                                    RedisTier(kv_redis_url, codec, kv_redis_ttl) if kv_redis_url else None,
+                                    wake=self._wake)
+        self.kv = KVManager(self.runner, self.limits.slots, self.limits.kv_cache_bytes, pool, namespace, self.tiers,
+                            optimistic=admission == "optimistic")
         self.scheduler = Scheduler(self.runner, self.kv, self.limits.max_waiting, prefill_tokens)
         self._ids = itertools.count(1)
-        self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="kvforge-engine", daemon=True)
         self._thread.start()
@@ -149,7 +170,7 @@ class LLMEngine:
     def stats(self) -> dict:
         with self._cond:
             s = self.scheduler
-            return dict(running=len(s.running), waiting=len(s.waiting), slots=self.limits.slots,
+            return dict(running=len(s.running), waiting=len(s.waiting), loading=s.loading, slots=self.limits.slots,
                         prefix_cache=self.kv.pool is not None, **self.kv.stats(), **s.counters)
 
     def clear_prefix_cache(self) -> int:
@@ -174,6 +195,9 @@ class LLMEngine:
                     logits = self.scheduler.execute(batch)
                     with self._cond:
                         outputs += self.scheduler.postprocess(batch, logits)
+                elif not outputs:  # only loads are pending: sleep until one ends (or a deadline passes)
+                    with self._cond:
+                        self._cond.wait(LOAD_POLL_SECONDS)
             except Exception as e:  # a failed step ends the running requests, not the engine
                 log.exception("engine step failed")
                 with self._cond:
@@ -192,11 +216,17 @@ class LLMEngine:
             except Exception:
                 log.exception("on_output of request %d failed", out.request_id)
 
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
     def close(self) -> None:
         with self._cond:
             self._closed = True
             self._cond.notify()
         self._thread.join()
+        if self.tiers is not None:
+            self.tiers.close()  # flushes queued disk / Redis writes within the exit timeout
 
     def __enter__(self) -> "LLMEngine":
         return self

@@ -45,6 +45,10 @@ from runtime.sequence import RequestOutput, Sequence, Status
 MIX_PADDING_TOKENS = 16
 PREFILL_TOKENS = 256
 SOLO_PREFILL_TOKENS = 512
+# A request loading its prefix from disk / Redis waits at most as long as recomputing it is
+# estimated to take (from the measured prefill rate), but never less than this (thread hand-offs);
+# before any prefill was measured, up to the longer bound.
+LOAD_DEADLINE_FLOOR, LOAD_DEADLINE_UNMEASURED = 0.01, 2.0
 
 
 class QueueFullError(RequestError):
@@ -68,7 +72,9 @@ class Scheduler:
         self.last_kind = "decode"
         self.counters = dict(steps=0, prefill_steps=0, decode_steps=0, mixed_steps=0, max_rows=0,
                              multi_row_steps=0, prompt_tokens=0, generated_tokens=0, finished=0,
-                             cancelled=0, expired=0, prefix_waits=0)
+                             cancelled=0, expired=0, prefix_waits=0, tier_loads_expired=0, preempted_swap=0,
+                             preempted_recompute=0, row_steps=0)
+        self.prefill_tokens_per_second: float | None = None  # measured, for the load-or-recompute choice
 
     def add(self, seq: Sequence) -> None:
         if len(self.waiting) >= self.max_waiting:
@@ -94,10 +100,32 @@ class Scheduler:
         outputs = [(seq, self._cancel(seq)) for seq in map(self.requests.get, self.cancelled) if seq]
         self.cancelled.clear()
         outputs += self._expire(time.perf_counter())
+        while len(self.running) > 1 and not self.kv.fits(self.running):
+            self._preempt()
+        for request_id in self.kv.finish_loads():
+            if request_id in self.requests:
+                self.requests[request_id].load_deadline = None
+        now = time.monotonic()
         for seq in list(self.waiting):
+            if seq.swapped_blocks is not None:  # preempted: it resumes first, with its own KV
+                if not self.kv.can_admit(seq, self.running):
+                    break
+                self.waiting.remove(seq)
+                self._place(seq, [])
+                continue
+            if seq.load_deadline is not None:  # its prefix is coming from disk / Redis
+                if now < seq.load_deadline:
+                    continue
+                seq.load_deadline = None  # slower than recomputing it: go without
+                self.counters["tier_loads_expired"] += 1
             hit, wait = self.kv.match(seq)
             if wait:
                 self.counters["prefix_waits"] += 1
+                continue
+            recompute = self._recompute_seconds(seq, len(hit))
+            if self.kv.start_load(seq, hit, recompute):
+                seq.load_deadline = now + (LOAD_DEADLINE_UNMEASURED if recompute is None
+                                           else max(recompute, LOAD_DEADLINE_FLOOR))
                 continue
             if not self.kv.can_admit(seq, self.running):
                 break
@@ -105,9 +133,18 @@ class Scheduler:
             self._place(seq, hit)
         return outputs, (self._next_batch() if self.running else None)
 
+    def _recompute_seconds(self, seq: Sequence, hit_blocks: int) -> float | None:
+        rate = self.prefill_tokens_per_second
+        return None if rate is None else (seq.num_prompt - hit_blocks * self.kv.block_tokens) / rate
+
+    @property
+    def loading(self) -> int:
+        return sum(s.load_deadline is not None for s in self.waiting)
+
     def _cancel(self, seq: Sequence) -> RequestOutput:
         if seq.status is Status.WAITING:
             self.waiting.remove(seq)
+            self.kv.release(seq)  # a loading request's held blocks
             del self.requests[seq.request_id]
         else:
             self._remove(self.running.index(seq))
@@ -120,6 +157,7 @@ class Scheduler:
         outputs = []
         for seq in [s for s in self.waiting if s.queue_deadline is not None and now > s.queue_deadline]:
             self.waiting.remove(seq)
+            self.kv.release(seq)  # what a loading or preempted request holds
             del self.requests[seq.request_id]
             outputs.append((seq, seq.finish("timeout", f"the request waited {now - seq.arrived:.1f} s for a "
                                                        "free slot (the queue timeout); retry later")))
@@ -143,7 +181,23 @@ class Scheduler:
             self.kv.move(row, len(self.running), decoding.num_cached)
             self.running.append(decoding)
             self.running[row] = seq
-        self.kv.admit(seq, row, hit, len(self.running))
+        if seq.swapped_blocks is not None:
+            self.kv.swap_in(seq, row, seq.swapped_blocks, len(self.running))
+            seq.swapped_blocks = None
+        else:
+            self.kv.admit(seq, row, hit, len(self.running))
+
+    def _preempt(self) -> None:
+        """The youngest running sequence goes back to the front of the queue (its KV swapped to
+        the host pool, or dropped for recompute beyond the swap reserve)."""
+        seq = max(self.running, key=lambda s: s.request_id)
+        row = self.running.index(seq)
+        seq.swapped_blocks = self.kv.preempt(seq, row)
+        self.counters["preempted_swap" if seq.swapped_blocks is not None else "preempted_recompute"] += 1
+        self._vacate(row)
+        self.kv.refit(self.running)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
 
     def _next_batch(self) -> Batch:
         pending = [s.pending for s in self.running]
@@ -168,9 +222,16 @@ class Scheduler:
     # ------------------------------------------------------------------ the step
 
     def execute(self, batch: Batch) -> np.ndarray:
-        """The only call the engine makes without its lock: it touches nothing but the runner."""
-        return self.runner.step(batch.input_ids, batch.write_positions, batch.num_new,
-                                last_positions(batch.num_new))
+        """The only call the engine makes without its lock: it touches nothing but the runner
+        (and the measured prefill rate, one float)."""
+        began = time.perf_counter()
+        logits = self.runner.step(batch.input_ids, batch.write_positions, batch.num_new,
+                                  last_positions(batch.num_new))
+        if batch.kind == "prefill":
+            rate = int(batch.num_new.sum()) / max(time.perf_counter() - began, 1e-6)
+            old = self.prefill_tokens_per_second
+            self.prefill_tokens_per_second = rate if old is None else 0.7 * old + 0.3 * rate
+        return logits
 
     # ------------------------------------------------------------------ after a step
 
@@ -204,6 +265,7 @@ class Scheduler:
         c["steps"] += 1
         c[f"{batch.kind}_steps"] += 1
         c["max_rows"] = max(c["max_rows"], rows)
+        c["row_steps"] += rows  # over steps: the mean running batch
         c["multi_row_steps"] += rows > 1
         self.last_kind = batch.kind
 
@@ -215,12 +277,17 @@ class Scheduler:
         if done:
             self._shrink()
 
-    def _remove(self, row: int) -> None:
+    def _vacate(self, row: int) -> Sequence:
+        """Take the sequence of `row` out of the batch; the last row moves into the hole."""
         seq, last = self.running[row], len(self.running) - 1
         if row != last:
             self.kv.move(last, row, self.running[last].num_cached)
             self.running[row] = self.running[last]
         self.running.pop()
+        return seq
+
+    def _remove(self, row: int) -> None:
+        seq = self._vacate(row)
         self.kv.release(seq)
         del self.requests[seq.request_id]
 

@@ -56,6 +56,9 @@ class Sequence:
     pool_blocks: list[int] = field(default_factory=list)  # host pool blocks it holds a reference on
     num_stored_blocks: int = 0  # leading full blocks that are in the pool
     stores_blocks: bool = True
+    swapped_blocks: list[int] | None = None  # preempted: its row's KV in these pool blocks
+    tiers_checked: bool = False  # its prompt blocks were asked of the disk / Redis tiers
+    load_deadline: float | None = None  # waiting for a load until then (monotonic seconds); None: not loading
     finish_reason: str | None = None
     arrived: float = field(default_factory=time.perf_counter)
     admitted: float | None = None  # when it got a slot

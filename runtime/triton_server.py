@@ -402,10 +402,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="reuse the KV of repeated prompt prefixes (llm model; default: on)")
     parser.add_argument("--kv-host-bytes", type=int, default=None,
                         help="byte budget of the host RAM KV block pool (default: a quarter of RAM, at most 8 GiB)")
+    parser.add_argument("--kv-disk-dir", type=Path, help="a local-disk KV tier below RAM in this directory "
+                        "(a restarted server hits what it stored; default: off)")
+    parser.add_argument("--kv-disk-bytes", type=int, help="byte budget of the disk tier (default: 8 GiB)")
+    parser.add_argument("--kv-redis-url", help="a shared Redis KV tier, redis://[:PASSWORD@]HOST:PORT/DB or "
+                        "rediss://... (default: off; $KVFORGE_KV_REDIS_URL keeps a password off the command line)")
+    parser.add_argument("--kv-redis-ttl", type=int, help="seconds before a Redis KV entry expires (default: never; "
+                        "Redis's maxmemory policy evicts)")
     args = parser.parse_args(argv)
     if args.kv_host_bytes is not None and args.kv_host_bytes < 0:
         parser.error("--kv-host-bytes must be >= 0")
+    for flag, value in (("--kv-disk-bytes", args.kv_disk_bytes), ("--kv-redis-ttl", args.kv_redis_ttl)):
+        if value is not None and value <= 0:
+            parser.error(f"{flag} must be > 0")
+    if args.kv_redis_url and not args.kv_redis_url.startswith(("redis://", "rediss://")):
+        parser.error("--kv-redis-url must start with redis:// or rediss://")
     return args
+
+
+def tier_env(args: argparse.Namespace) -> dict[str, str]:
+    """The KV tiers' knobs for the llm model's process: by environment, never its config, so paths
+    and passwords stay out of model metadata (KVFORGE_KV_REDIS_URL already set is kept)."""
+    env = {"KVFORGE_KV_DISK_DIR": args.kv_disk_dir and str(args.kv_disk_dir.resolve()),
+           "KVFORGE_KV_DISK_BYTES": args.kv_disk_bytes and str(args.kv_disk_bytes),
+           "KVFORGE_KV_REDIS_URL": args.kv_redis_url, "KVFORGE_KV_REDIS_TTL": args.kv_redis_ttl and str(args.kv_redis_ttl)}
+    return {name: value for name, value in env.items() if value}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -430,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         log_dir.mkdir(parents=True, exist_ok=True)
         model_env = {CONTROL_KEY_ENV: key, "KVFORGE_ACCESS_LOG": str(log_dir / "kvforge.jsonl")}
         model_env["KVFORGE_PREFIX_CACHE"] = "1" if args.prefix_cache == "on" else "0"
+        model_env.update(tier_env(args))
         for name, value in (("KVFORGE_QUEUE_TIMEOUT", args.queue_timeout),
                             ("KVFORGE_REQUEST_TIMEOUT", args.request_timeout),
                             ("KVFORGE_KV_HOST_BYTES", args.kv_host_bytes)):

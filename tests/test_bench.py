@@ -11,8 +11,9 @@ import pytest
 
 from tests.conftest import run_cli
 
-SECTIONS = ("cache_speedup", "layouts", "kv_dtypes", "peers", "serving", "roofline", "weights", "prefix_cache")
-PLOTS = ("cache.png", "layouts.png", "serving.png", "prefix_cache.png")
+SECTIONS = ("cache_speedup", "layouts", "kv_dtypes", "peers", "serving", "roofline", "weights", "prefix_cache",
+            "kv_tiers")
+PLOTS = ("cache.png", "layouts.png", "serving.png", "prefix_cache.png", "kv_tiers.png")
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +121,22 @@ def test_prefix_cache_structure(quick_run):
     assert [b["block_tokens"] for b in section["copy"]["block_sizes"]] == [16, 64]
     assert section["engine_counters"]["prefix_cache_hit_tokens"] > 0
     assert any(t["target"].startswith("Prefix cache:") for t in results["targets"])
+
+
+def test_kv_tiers_structure(quick_run):
+    _, results, _ = quick_run
+    section = results["kv_tiers"]
+    assert [p["context"] for p in section["points"]] == list(section["shape"]["contexts"])
+    for p in section["points"]:  # every tier gives the cold greedy answer (a tier may rightly choose recompute)
+        assert p["same_greedy_text"]
+        assert p["cached_tokens"]["cold"] == 0 and p["cached_tokens"]["ram"] > 0
+        assert p["cached_tokens"].keys() == {"cold", "ram", "disk", "redis"}
+        assert all({"median_ms", "percent_of_cold", "reduction_percent"} <= p[t].keys() for t in ("ram", "disk", "redis"))
+    bandwidth = section["load_bandwidth_bytes_per_s"]
+    assert bandwidth.keys() == {"disk", "redis"} and all(v is None or v > 0 for v in bandwidth.values())
+    assert section["admission"]["same_outputs"] and section["admission"]["optimistic"]["peak_kv_bytes"] <= \
+        section["admission"]["kv_cache_bytes"]
+    assert sum(t["target"].startswith("KV tiers:") for t in results["targets"]) == 5
 
 
 def test_plots_and_targets_table(quick_run):

@@ -53,9 +53,38 @@ METRICS = [
     ("kv_host_pool_bytes", "kvforge_kv_host_pool_bytes", "Bytes of KV blocks in the host RAM pool", "GAUGE"),
     ("kv_host_pool_budget_bytes", "kvforge_kv_host_pool_budget_bytes", "Byte budget of the host RAM pool", "GAUGE"),
     ("blocks_evicted", "kvforge_kv_blocks_evicted_total", "KV blocks evicted from the host RAM pool", "COUNTER"),
+    ("preempted_swap", "kvforge_preempted_swap_total",
+     "Running sequences preempted with their KV swapped to the host pool (resumed, not recomputed)", "COUNTER"),
+    ("preempted_recompute", "kvforge_preempted_recompute_total",
+     "Running sequences preempted beyond the swap reserve (their KV recomputed)", "COUNTER"),
+    ("loading", "kvforge_loading_sequences", "Requests waiting for their prefix to load from disk or Redis", "GAUGE"),
+    ("tier_write_queue_blocks", "kvforge_kv_tier_write_queue_blocks",
+     "KV blocks queued for the disk / Redis tiers", "GAUGE"),
+    ("tier_write_dropped_blocks", "kvforge_kv_tier_write_dropped_blocks_total",
+     "KV blocks not written to disk / Redis because the write queue was full", "COUNTER"),
+    ("tier_loads_abandoned", "kvforge_kv_tier_loads_abandoned_total",
+     "Prefix loads skipped because recomputing was estimated faster", "COUNTER"),
+    ("tier_loads_expired", "kvforge_kv_tier_loads_expired_total",
+     "Prefix loads given up at their recompute deadline", "COUNTER"),
     ("expired", "kvforge_expired_requests_total", "Requests ended by the queue or request timeout", "COUNTER"),
     ("cancel_poll_seconds", "kvforge_cancel_poll_seconds_total",
      "CPU seconds the sender spent asking whether clients went away (the cost of cancellation)", "COUNTER"),
+]
+# per lower tier (label tier="disk" | "redis"): engine stats["tiers"][tier] key -> custom metric
+TIER_METRICS = [
+    ("hit_tokens", "kvforge_kv_tier_hit_tokens_total", "Prompt tokens whose KV was loaded from the tier", "COUNTER"),
+    ("read_bytes", "kvforge_kv_tier_read_bytes_total", "Bytes of KV read from the tier", "COUNTER"),
+    ("written_bytes", "kvforge_kv_tier_written_bytes_total", "Bytes of KV written to the tier", "COUNTER"),
+    ("evicted_blocks", "kvforge_kv_tier_evicted_blocks_total",
+     "KV blocks the tier evicted for its byte budget (Redis evicts on its own: 0)", "COUNTER"),
+    ("errors", "kvforge_kv_tier_errors_total", "Failed tier operations (each one a miss)", "COUNTER"),
+    ("corrupt_blocks", "kvforge_kv_tier_corrupt_blocks_total", "Tier entries refused by their checksum or header",
+     "COUNTER"),
+    ("load_p50_seconds", "kvforge_kv_tier_load_seconds_p50", "Median latency of a load from the tier", "GAUGE"),
+    ("load_p99_seconds", "kvforge_kv_tier_load_seconds_p99", "99th percentile latency of a load from the tier",
+     "GAUGE"),
+    ("bytes", "kvforge_kv_tier_bytes", "Bytes of KV the tier holds (disk; Redis: not tracked, 0)", "GAUGE"),
+    ("enabled", "kvforge_kv_tier_enabled", "1 while the tier is in use, 0 once it switched itself off", "GAUGE"),
 ]
 # latency histograms (seconds), observed by the sender as responses go out
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
@@ -142,13 +171,30 @@ def clear_prefix_cache(request, engine):
 
 def engine_options():
     """Prefix-cache knobs, per launch from the server's environment (python -m runtime.triton_server
-    --prefix-cache/--kv-host-bytes set them): KVFORGE_PREFIX_CACHE=0|1, KVFORGE_KV_HOST_BYTES=N."""
+    --prefix-cache/--kv-host-bytes/--kv-disk-dir/--kv-disk-bytes/--kv-redis-url set them):
+    KVFORGE_PREFIX_CACHE=0|1, KVFORGE_KV_HOST_BYTES=N, KVFORGE_KV_DISK_DIR=DIR,
+    KVFORGE_KV_DISK_BYTES=N, KVFORGE_KV_REDIS_URL=redis://..., KVFORGE_KV_REDIS_TTL=SECONDS.
+    Never in the model config: a path or a Redis password must not reach metadata or logs."""
     enabled = os.environ.get("KVFORGE_PREFIX_CACHE", "1")
-    host_bytes = os.environ.get("KVFORGE_KV_HOST_BYTES", "")
-    if enabled not in ("0", "1") or not (host_bytes.isdigit() or host_bytes == ""):
-        raise ValueError(f"KVFORGE_PREFIX_CACHE must be 0 or 1 (got {enabled!r}) and KVFORGE_KV_HOST_BYTES "
-                         f"a byte count (got {host_bytes!r})")
-    return dict(prefix_cache=enabled == "1", kv_host_bytes=int(host_bytes) if host_bytes else None)
+    if enabled not in ("0", "1"):
+        raise ValueError(f"KVFORGE_PREFIX_CACHE must be 0 or 1 (got {enabled!r})")
+    options = dict(prefix_cache=enabled == "1", kv_disk_dir=os.environ.get("KVFORGE_KV_DISK_DIR") or None,
+                   kv_redis_url=os.environ.get("KVFORGE_KV_REDIS_URL") or None)
+    for name, key in (("KVFORGE_KV_HOST_BYTES", "kv_host_bytes"), ("KVFORGE_KV_DISK_BYTES", "kv_disk_bytes"),
+                      ("KVFORGE_KV_REDIS_TTL", "kv_redis_ttl")):
+        value = os.environ.get(name, "")
+        if not (value.isdigit() or value == ""):
+            raise ValueError(f"{name} must be a whole number (got {value!r})")
+        if value:
+            options[key] = int(value)
+    return options
+
+
+def publish(metric, kind, value):
+    if kind == "GAUGE":
+        metric.set(value)
+    elif value > metric.value():
+        metric.increment(value - metric.value())
 
 
 def error(message, code):
@@ -188,6 +234,11 @@ class TritonPythonModel:
             self.families[key] = pb_utils.MetricFamily(name, description, pb_utils.MetricFamily.HISTOGRAM)
         self.histograms = {key: self.families[key].Metric(labels=labels, buckets=LATENCY_BUCKETS)
                            for key, _, _ in HISTOGRAMS}
+        tiers = list(self.engine.stats()["tiers"])
+        self.tier_families = {key: pb_utils.MetricFamily(name, description, getattr(pb_utils.MetricFamily, kind))
+                              for key, name, description, kind in TIER_METRICS} if tiers else {}
+        self.tier_metrics = {(tier, key, kind): self.tier_families[key].Metric(labels={**labels, "tier": tier})
+                             for tier in tiers for key, _, _, kind in TIER_METRICS}
         self.sender = threading.Thread(target=self.send_loop, name="llm-sender", daemon=True)
         self.sender.start()
 
@@ -320,10 +371,9 @@ class TritonPythonModel:
     def update_metrics(self):
         stats = dict(self.engine.stats(), cancel_poll_seconds=self.poll_seconds)
         for key, _, _, kind in METRICS:
-            if kind == "GAUGE":
-                self.metrics[key].set(stats[key])
-            elif stats[key] > self.metrics[key].value():
-                self.metrics[key].increment(stats[key] - self.metrics[key].value())
+            publish(self.metrics[key], kind, stats[key])
+        for (tier, key, kind), metric in self.tier_metrics.items():
+            publish(metric, kind, stats["tiers"][tier][key])
 
     def finalize(self):
         self.engine.close()  # ends what is left with an error output, sent below
@@ -331,4 +381,6 @@ class TritonPythonModel:
         self.sender.join()
         self.metrics.clear()  # metrics before their families, as the backend requires
         self.histograms.clear()
+        self.tier_metrics.clear()
         self.families.clear()
+        self.tier_families.clear()
