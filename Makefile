@@ -16,6 +16,7 @@ EXPORT_DIR ?= build/exports/$(TAG)
 ENGINE_DIR ?= model_repository/llm/1/engine
 HOST ?= 127.0.0.1
 HTTP_PORT ?= 8000
+OPENAI_PORT ?= 9000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 PROMPT ?= def fibonacci(n):
@@ -43,7 +44,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON_BOOT) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -e '.[peers]'
+	$(VENV)/bin/pip install --quiet -e '.[peers,test]'
 	touch $@
 
 export: setup
@@ -59,10 +60,12 @@ build-engines: $(EXPORT_DIR)/manifest.json
 	$(PY) -m engines build $(EXPORT_DIR) --backend $(BACKEND) --weights $(WEIGHTS) --out $(ENGINE_DIR)
 	$(PY) -m engines repository $(ENGINE_DIR) --repo model_repository
 
-# the launcher: the HTTP front on HTTP_PORT, supervised tritonserver (gRPC, metrics); logs in LOG_DIR
+# the launcher: the HTTP front on HTTP_PORT (and the OpenAI API on OPENAI_PORT; empty disables it),
+# supervised tritonserver (gRPC, metrics); logs in LOG_DIR
 LOG_DIR ?= build/logs
 SERVE := $(PY) -m runtime.triton_server --repo model_repository --host $(HOST) --http-port $(HTTP_PORT) \
-	--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --log-dir $(LOG_DIR)
+	--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --log-dir $(LOG_DIR) \
+	$(if $(OPENAI_PORT),--openai-port $(OPENAI_PORT),)
 SOAK_SECONDS ?= 600
 
 serve: setup
@@ -84,6 +87,7 @@ test: setup
 	$(PY) -m pytest -q
 
 bench: setup
+	$(VENV)/bin/pip install --quiet -e '.[peers,test,bench]'
 	$(PY) -m bench $(if $(QUICK),--quick,)
 
 clean:

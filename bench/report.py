@@ -379,7 +379,24 @@ def _md_serving(serving: dict) -> list[str]:
     return [f"## 5. Serving ({serving['prompt_tokens']}-token prompts, {serving['new_tokens']} new tokens, "
             f"{serving['slots']} slots)", "",
             *_table(["mode", "concurrency", "TTFT p50 / p99 (ms)", "inter-token p50 / p99 (ms)", "tokens/s",
-                     "CPU ms per token (triton: client / tritonserver / llm model; in-process: all)"], rows)]
+                     "CPU ms per token (triton: client / tritonserver / llm model; in-process: all)"], rows),
+            *_md_aiperf(serving.get("aiperf_openai"))]
+
+
+def _md_aiperf(aiperf: dict | None) -> list[str]:
+    if not aiperf:
+        return []
+    if "skipped" in aiperf:
+        return ["", f"OpenAI-compatible API (aiperf): skipped, {aiperf['skipped']}."]
+    rows = [[endpoint, r["concurrency"], "error: " + r["error"].strip().splitlines()[-1], "", "", ""]
+            if "error" in r else
+            [endpoint, r["concurrency"], f"{r['ttft_ms']['p50']:.1f} / {r['ttft_ms']['p99']:.1f}",
+             f"{r['inter_token_ms']['p50']:.2f} / {r['inter_token_ms']['p99']:.2f}", f"{r['output_tokens_per_s']:.1f}",
+             r["requests"]]
+            for endpoint in ("chat", "completions") for r in aiperf.get(endpoint, [])]
+    return ["", f"OpenAI-compatible API measured by {aiperf['tool']}:", "",
+            *_table(["endpoint", "concurrency", "TTFT p50 / p99 (ms)", "inter-token p50 / p99 (ms)",
+                     "output tokens/s", "requests"], rows)]
 
 
 def _md_roofline(roof: dict) -> list[str]:

@@ -1,7 +1,8 @@
 """Section 5, serving: the same closed-loop load through the real Triton server (gRPC streaming,
 clients.api.LLMClient) and in-process (runtime.llm_engine.LLMEngine, same engine, same limits):
 TTFT p50/p99, inter-token latency, aggregate tokens/s per concurrency level, and Triton's
-overhead in % of the in-process throughput.
+overhead in % of the in-process throughput. Beside them, aiperf measures the OpenAI-compatible
+API on the same server (bench/aiperf_openai.py), comparable with other servers' figures.
 
 Each of `c` client threads sends its requests back to back, every request the same fixed prompt
 length and max_tokens (greedy); a level's tokens/s is all tokens received over its wall time.
@@ -74,12 +75,16 @@ def process_cpu_seconds(root_pid: int) -> dict[str, float]:
             "children": sum(s for pid, s in seconds.items() if parents[pid] == root_pid)}
 
 
+def requests_for(concurrency: int) -> int:
+    return max(MIN_REQUESTS, min(MAX_REQUESTS, REQUESTS_PER_STREAM * concurrency))
+
+
 def level(concurrency: int, prompts: list[str], max_tokens: int, one_request, total: int | None = None) -> dict:
     """One closed-loop run: `concurrency` threads each send their share of `total` requests
     (default: by concurrency) back to back, cycling through prompts.
     one_request(prompt, max_tokens) -> list of (seconds since send, tokens in that delta).
     Returns the raw arrivals, errors and wall time; `summarize` turns runs into figures."""
-    total = total or max(MIN_REQUESTS, min(MAX_REQUESTS, REQUESTS_PER_STREAM * concurrency))
+    total = total or requests_for(concurrency)
     jobs: queue.Queue = queue.Queue()
     for i in range(total):
         jobs.put(prompts[i % len(prompts)])
@@ -218,13 +223,19 @@ def run(params: Params, artifacts) -> dict:
                 runs["in-process"].append(local.apply(_in_process_level, (c, prompts, params.serving_new_tokens)))
             triton.append(summarize(c, params.serving_new_tokens, runs["triton"]))
             in_process.append(summarize(c, params.serving_new_tokens, runs["in-process"]))
+        from bench import aiperf_openai
+
+        # quick mode (the test suite) checks the aiperf path at one level; the full run sweeps them all
+        levels = params.concurrency[:1] if params.quick else params.concurrency
+        aiperf = aiperf_openai.run(server, repo, engine_dir, levels, requests_for, params.serving_prompt_tokens,
+                                   params.serving_new_tokens, artifacts.root / "aiperf", say)
     overhead = {str(t["concurrency"]): round(100 * (1 - t["tokens_per_s"] / i["tokens_per_s"]), 2)
                 for t, i in zip(triton, in_process)}
     return {
         "model": params.model, "engine": str(engine_dir), "prompt_tokens": params.serving_prompt_tokens,
         "new_tokens": params.serving_new_tokens, "greedy": True, "slots": limits.slots,
         "kv_cache_bytes": DEFAULT_KV_CACHE_BYTES, "protocol": "gRPC stream_infer (decoupled llm model)",
-        "triton": triton, "in_process": in_process, "overhead_percent": overhead,
+        "triton": triton, "in_process": in_process, "overhead_percent": overhead, "aiperf_openai": aiperf,
         "method": "closed loop: c threads each send requests back to back; tokens/s = tokens received / "
                   "wall time over the level's runs; Triton (its own server process, gRPC clients here) and "
                   "in-process (LLMEngine and its client threads in one child process) take turns run by run; "
@@ -234,5 +245,7 @@ def run(params: Params, artifacts) -> dict:
                                       "client process, tritonserver, and the llm model's python stub (engine "
                                       "included); in-process = the one process running engine and clients",
                   "tokens_per_s_by_run": "tokens/s (all streams)",
-                  "wall_s": "s", "overhead_percent": "%", "kv_cache_bytes": "bytes"},
+                  "wall_s": "s", "overhead_percent": "%", "kv_cache_bytes": "bytes",
+                  "aiperf_openai": "ttft_ms / inter_token_ms / request_latency_ms in ms (p50, p99, avg); "
+                                   "output_tokens_per_s in tokens/s (all streams)"},
     }

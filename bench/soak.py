@@ -36,7 +36,7 @@ MIX = {"http_stream": 30, "http_generate": 20, "grpc_stream": 20, "http_cancel":
 BAD = [(b'{"text_input": "x", "max_tokens": ', "generate"), (b'{"text_input": 7, "max_tokens": 3}', "generate"),
        (b'{"text_input": "x", "max_tokens": "many"}', "generate_stream"),
        (b'{"text_input": "x", "max_tokens": 3, "seed": -1}', "generate"),
-       (json.dumps({"text_input": "x", "max_tokens": 3, "stop": ["s" * 500_000]}).encode(), "generate"),
+       (json.dumps({"text_input": "x", "max_tokens": 3, "stop_words": ["s" * 500_000]}).encode(), "generate"),
        (json.dumps({"text_input": "", "max_tokens": 3}).encode(), "generate"),
        (b"a" * (2 << 20), "generate"), (b"step", "step")]
 CLIENT_TIMEOUT = 120.0

@@ -28,7 +28,11 @@ DEFAULT_URLS = {"grpc": "127.0.0.1:8001", "http": "127.0.0.1:8000"}
 # input name -> (Triton datatype, numpy dtype); the names of the TensorRT-LLM/vLLM backends
 INPUTS = {"text_input": ("BYTES", np.object_), "max_tokens": ("INT32", np.int32),
           "temperature": ("FP32", np.float32), "top_p": ("FP32", np.float32), "top_k": ("INT32", np.int32),
-          "seed": ("UINT64", np.uint64), "stop": ("BYTES", np.object_), "stream": ("BOOL", np.bool_)}
+          "seed": ("UINT64", np.uint64), "stop_words": ("BYTES", np.object_), "stream": ("BOOL", np.bool_),
+          "repetition_penalty": ("FP32", np.float32), "presence_penalty": ("FP32", np.float32),
+          "frequency_penalty": ("FP32", np.float32), "min_tokens": ("INT32", np.int32),
+          "bad_words": ("BYTES", np.object_), "end_id": ("INT32", np.int32),
+          "exclude_input_in_output": ("BOOL", np.bool_)}
 
 
 class GenerationError(RuntimeError):
@@ -64,12 +68,13 @@ class Completion:
         self.elapsed = delta.time
 
 
-def request_fields(prompt: str | bytes, max_tokens: int, temperature: float | None = None,
-                   top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                   stop: list[str] | None = None, stream: bool = True) -> dict:
-    """The request's inputs by name; options left as None are not sent (the server's defaults)."""
-    fields = dict(text_input=prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                  seed=seed, stop=stop, stream=stream)
+def request_fields(prompt: str | bytes, max_tokens: int, stream: bool = True, **options) -> dict:
+    """The request's inputs by name (INPUTS: temperature, top_k, top_p, seed, stop_words, ...);
+    options left as None are not sent (the server's defaults)."""
+    unknown = sorted(set(options) - set(INPUTS))
+    if unknown:
+        raise ValueError(f"unknown options {', '.join(unknown)}; the llm model takes {', '.join(INPUTS)}")
+    fields = dict(text_input=prompt, max_tokens=max_tokens, stream=stream, **options)
     return {k: v for k, v in fields.items() if v is not None}
 
 

@@ -22,14 +22,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int)
     parser.add_argument("--top-p", type=float)
     parser.add_argument("--seed", type=int)
-    parser.add_argument("--stop", action="append", help="stop string (repeatable)")
+    parser.add_argument("--stop", action="append", help="stop string (repeatable; sent as stop_words)")
+    parser.add_argument("--repetition-penalty", type=float)
+    parser.add_argument("--min-tokens", type=int)
     args = parser.parse_args(argv)
 
     client = LLMClient(args.url, args.protocol, args.model)
     completion = Completion()
     try:
         for delta in client.stream(args.prompt, args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                                   top_p=args.top_p, seed=args.seed, stop=args.stop):
+                                   top_p=args.top_p, seed=args.seed, stop_words=args.stop,
+                                   repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens):
             completion.add(delta)
             sys.stdout.write(delta.text)
             sys.stdout.flush()

@@ -66,11 +66,21 @@ def hf_config(name: str) -> dict:
     }
 
 
+# The presets' chat template (frontend/chat_template.py renders it for /v1/chat/completions):
+# one "role: content" line per message, then "assistant:" for the answer.
+SIMPLE_CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
+                        "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+
+
 def write_tokenizer(tokenizer: Tokenizer, directory: Path) -> None:
     tokenizer.save(str(directory / "tokenizer.json"))
+    write_tokenizer_config(directory)
+
+
+def write_tokenizer_config(directory: Path) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<pad>", "bos_token": "<s>",
-        "eos_token": "</s>", "add_bos_token": False}, indent=2) + "\n")
+        "eos_token": "</s>", "add_bos_token": False, "chat_template": SIMPLE_CHAT_TEMPLATE}, indent=2) + "\n")
 
 
 def random_weights(spec: ModelSpec, std: float) -> dict[str, torch.Tensor]:
@@ -86,6 +96,7 @@ def materialize(name: str, root: Path) -> Path:
     """The preset's checkpoint directory under root, created once."""
     directory = Path(root) / name
     if (directory / "model.safetensors").is_file():
+        write_tokenizer_config(directory)  # cheap, and a checkpoint cached by an older kvforge gets the template
         return directory
     config = hf_config(name)
     spec = ModelSpec.from_hf_config(config)

@@ -52,9 +52,15 @@ GENERATE_FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
     "top_p": (number, "a number"),
     "top_k": (lambda v: integer(v) and -2**31 <= v < 2**31, "an integer"),
     "seed": (lambda v: integer(v) and 0 <= v < 2**64, "an integer in 0..2**64-1"),
-    "stop": (lambda v: isinstance(v, str) or isinstance(v, list) and all(isinstance(s, str) for s in v),
-             "a string or a list of strings"),
-    "stream": (lambda v: isinstance(v, bool), "true or false"),
+    **{name: (lambda v: isinstance(v, str) or isinstance(v, list) and all(isinstance(s, str) for s in v),
+              "a string or a list of strings") for name in ("stop_words", "bad_words")},
+    **{name: (lambda v: isinstance(v, bool), "true or false")
+       for name in ("stream", "stop", "exclude_input_in_output", "return_log_probs")},
+    **{name: (number, "a number")
+       for name in ("repetition_penalty", "presence_penalty", "frequency_penalty", "length_penalty")},
+    **{name: (lambda v: integer(v) and -2**31 <= v < 2**31, "an integer")
+       for name in ("min_tokens", "min_length", "end_id", "pad_id", "beam_width", "num_return_sequences")},
+    "random_seed": (lambda v: integer(v) and 0 <= v < 2**64, "an integer in 0..2**64-1"),
     "cache_salt": (lambda v: isinstance(v, str), "a string"),
     "clear_prefix_cache": (lambda v: isinstance(v, bool), "true or false"),
     "control_key": (lambda v: isinstance(v, str), "a string"),

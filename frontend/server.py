@@ -1,8 +1,8 @@
 """The front process's servers: every app on its own port, all in one asyncio loop.
 
-`apps()` lists what the front serves; each app is wrapped in the body limit and the in-flight
-count that a drain waits on. To serve another app (e.g. the OpenAI API on OPENAI_PORT), add it
-to the list there: it shares the loop, the limit and the drain.
+`apps()` lists what the front serves (the /v2 proxy, and the OpenAI-compatible API when it has
+a port); each app is wrapped in the body limit and the in-flight count that a drain waits on:
+they share the loop, the limit and the drain.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from frontend.body_limit import BodyLimit
 from frontend.config import FrontConfig
+from frontend.openai_api import create_openai_app
 from frontend.proxy import create_proxy_app
 
 GRACEFUL_CLOSE_SECONDS = 1.0  # after the drain, open connections get this long before they are cut
@@ -49,19 +50,23 @@ class Server(uvicorn.Server):
         yield
 
 
-def apps(config: FrontConfig, supervisor, host: str, http_port: int, log_dir: Path) -> list[tuple[ASGIApp, str, int]]:
+def apps(config: FrontConfig, supervisor, host: str, http_port: int, log_dir: Path,
+         openai_port: int | None = None) -> list[tuple[ASGIApp, str, int]]:
     """(app, host, port) for every server the front runs."""
-    return [(create_proxy_app(config, supervisor.not_ready, log_dir / "kvforge.jsonl"), host, http_port)]
+    served = [(create_proxy_app(config, supervisor.not_ready, log_dir / "kvforge.jsonl"), host, http_port)]
+    if openai_port:
+        served.append((create_openai_app(config), host, openai_port))
+    return served
 
 
 async def serve(config: FrontConfig, supervisor, host: str, http_port: int, log_dir: Path,
-                drain_seconds: float, command: list[str]) -> int:
+                drain_seconds: float, command: list[str], openai_port: int | None = None) -> int:
     """Serve until SIGINT/SIGTERM (then drain) or until COMMAND exits (its exit code)."""
     in_flight = InFlight()
     servers = [Server(uvicorn.Config(BodyLimit(in_flight.wrap(app), config.max_body_bytes), host=app_host,
                                      port=port, log_level="warning", access_log=False, lifespan="on",
                                      timeout_graceful_shutdown=GRACEFUL_CLOSE_SECONDS))
-               for app, app_host, port in apps(config, supervisor, host, http_port, log_dir)]
+               for app, app_host, port in apps(config, supervisor, host, http_port, log_dir, openai_port)]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

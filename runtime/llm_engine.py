@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -102,9 +103,16 @@ class LLMEngine:
         if params.max_tokens > limit - len(ids):
             raise RequestError(f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
                                f"the context of {limit} tokens; ask for at most {limit - len(ids)} tokens")
+        vocab = self.limits.vocab_size
+        if any(not 0 <= t < vocab for t in (*params.stop_token_ids, *(() if params.end_id is None else (params.end_id,)))):
+            raise RequestError(f"end_id and stop token ids must be in 0..{vocab - 1}")
+        if params.bad_words:
+            params = dataclasses.replace(params, bad_word_ids=tuple(
+                tuple(self.tokenizer.encode(word, add_special_tokens=False)) for word in params.bad_words))
+        end_ids = (params.end_id,) if params.end_id is not None else self.tokenizer.eos_token_ids
         seq = Sequence(next(self._ids), ids, params, on_output or (lambda out: None),
                        IncrementalDetokenizer(self.tokenizer, ids),
-                       frozenset(self.tokenizer.eos_token_ids) | frozenset(params.stop_token_ids),
+                       frozenset(end_ids) | frozenset(params.stop_token_ids),
                        cache_salt=cache_salt or None)
         if queue_timeout is not None:
             seq.queue_deadline = seq.arrived + queue_timeout

@@ -1,7 +1,12 @@
 """Sampling parameters, their validation, and choosing the next token from one row of logits.
 
-Stop strings are matched on the detokenized text; `stop_hold_back` tells the streamer how much
-of the text's tail could still turn into a stop string and must not be sent yet.
+The logits pass through the request's penalties and bans first (repetition penalty over prompt
+and output as in Hugging Face / TensorRT-LLM; presence and frequency penalties over the output
+as in OpenAI / vLLM; end tokens banned until min_tokens; bad words banned), then temperature,
+top-k and top-p. A requested log-prob is the log-softmax of the model's own logits for the
+chosen token (before any of that, like vLLM's default `raw_logprobs`), so it measures the model,
+not the sampling settings. Stop strings are matched on the detokenized text; `stop_hold_back`
+tells the streamer how much of the text's tail could still turn into a stop string.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import numpy as np
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_PENALTY = 2.0  # presence/frequency penalties, OpenAI's range [-2, 2]
 
 
 class RequestError(ValueError):
@@ -34,6 +40,19 @@ class SamplingParams:
     seed: int | None = None  # None = fresh entropy; an int makes the request reproducible
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = field(default=())
+    end_id: int | None = None  # the token that ends the text; None = the tokenizer's EOS tokens
+    repetition_penalty: float = 1.0  # > 1 discourages every token already in prompt or output
+    presence_penalty: float = 0.0  # subtracted once from each token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    min_tokens: int = 0  # no end token and no stop string before this many output tokens
+    bad_words: tuple[str, ...] = ()  # texts the output never contains as tokens (TensorRT-LLM's bad_words)
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()  # bad_words tokenized by the engine
+    logprobs: bool = False
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return (self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.min_tokens > 0 or bool(self.bad_word_ids))
 
     def validate(self) -> None:
         """Checks that need no model; the engine adds the context-length checks."""
@@ -50,17 +69,66 @@ class SamplingParams:
             raise RequestError(f"top_k must be an integer >= 0 (0 = no limit), got {self.top_k!r}")
         if self.seed is not None and not (isinstance(self.seed, (int, np.integer)) and 0 <= self.seed < 2**64):
             raise RequestError(f"seed must be an unsigned 64-bit integer, got {self.seed!r}")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise RequestError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
-        for s in self.stop:
-            if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS:
-                raise RequestError(f"each stop string must be 1..{MAX_STOP_CHARS} characters, got {quote(s)}")
+        _check_texts(self.stop, "stop strings", "each stop string")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise RequestError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}")
+        if self.end_id is not None and (isinstance(self.end_id, bool) or not isinstance(self.end_id, (int, np.integer))):
+            raise RequestError(f"end_id must be a token id, got {self.end_id!r}")
+        if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise RequestError(f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _finite(value) or abs(value) > MAX_PENALTY:
+                raise RequestError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off), got {value!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, (int, np.integer)) \
+                or not 0 <= self.min_tokens <= self.max_tokens:
+            raise RequestError(f"min_tokens must be an integer in 0..max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
+        _check_texts(self.bad_words, "bad words", "each bad word")
+
+
+def _check_texts(texts: tuple[str, ...], plural: str, each: str) -> None:
+    if len(texts) > MAX_STOP_STRINGS:
+        raise RequestError(f"at most {MAX_STOP_STRINGS} {plural}, got {len(texts)}")
+    for s in texts:
+        if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS:
+            raise RequestError(f"{each} must be 1..{MAX_STOP_CHARS} characters, got {quote(s)}")
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) \
+        and math.isfinite(value)
+
+
+def adjust_logits(logits: np.ndarray, params: SamplingParams, tokens: list[int], num_prompt: int,
+                  end_ids: frozenset[int]) -> np.ndarray:
+    """The logits after the request's penalties and bans; `tokens` is prompt + output so far."""
+    adjusted = logits.astype(np.float64)
+    output = tokens[num_prompt:]
+    if params.repetition_penalty != 1:
+        seen = np.unique(np.asarray(tokens, np.int64))
+        values = adjusted[seen]
+        adjusted[seen] = np.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if output and (params.presence_penalty or params.frequency_penalty):
+        ids, counts = np.unique(np.asarray(output, np.int64), return_counts=True)
+        adjusted[ids] -= params.presence_penalty + params.frequency_penalty * counts
+    if len(output) < params.min_tokens and end_ids:
+        adjusted[list(end_ids)] = -np.inf
+    for word in params.bad_word_ids:
+        # a word's last token is banned where the output so far ends with the word's other tokens
+        if len(word) == 1 or (len(output) >= len(word) - 1 and tuple(output[len(output) - len(word) + 1:]) == word[:-1]):
+            adjusted[word[-1]] = -np.inf
+    return adjusted
+
+
+def log_softmax(logits: np.ndarray, token: int) -> float:
+    """log p(token) under the distribution the logits define."""
+    row = logits.astype(np.float64)
+    top = row.max()
+    return float(row[token] - top - np.log(np.exp(row - top).sum()))
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """The next token from one row of logits [vocab]."""
+    """The next token from one row of (adjusted) logits [vocab]."""
     if params.temperature == 0:
         return int(np.argmax(logits))
     scaled = logits.astype(np.float64) / params.temperature

@@ -39,7 +39,7 @@ import numpy as np
 
 from runtime.kv_manager import KVManager
 from runtime.runner_api import Batch, Runner, last_positions
-from runtime.sampling import RequestError, sample
+from runtime.sampling import RequestError
 from runtime.sequence import RequestOutput, Sequence, Status
 
 MIX_PADDING_TOKENS = 16
@@ -247,9 +247,8 @@ class Scheduler:
             if seq.pending:
                 continue  # a prompt chunk: nothing to sample yet
             self.counters["generated_tokens"] += 1
-            out = seq.append(sample(logits[b, 0], seq.params, seq.rng))  # its last position (execute)
-            if out is not None:
-                outputs.append((seq, out))
+            # logits[b, 0]: its last real position, the only one execute() asks for
+            outputs.append((seq, seq.append(*seq.choose(logits[b, 0]))))
         self._drop_finished()
         return outputs
 

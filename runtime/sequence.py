@@ -8,7 +8,7 @@ from typing import Callable
 
 import numpy as np
 
-from runtime.sampling import SamplingParams, find_stop, stop_hold_back
+from runtime.sampling import SamplingParams, adjust_logits, find_stop, log_softmax, sample, stop_hold_back
 from runtime.tokenizer import IncrementalDetokenizer
 
 
@@ -29,15 +29,19 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     error: str | None = None
     prompt_tokens: int = 0
-    output_tokens: int = 0
+    output_tokens: int = 0  # generated so far, this output's tokens included
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     queue_seconds: float | None = None  # on the last output: how long the request waited for a slot
+    logprobs: list[float] | None = None  # log p of each of token_ids, when the request asked for them
+    cum_logprob: float = 0.0  # sum of the log-probs of every token generated so far
 
     def merge(self, later: "RequestOutput") -> "RequestOutput":
         """This output followed by the request's next one, as a single output."""
+        logprobs = self.logprobs + later.logprobs if self.logprobs is not None and later.logprobs is not None else None
         return RequestOutput(self.request_id, self.text + later.text, self.token_ids + later.token_ids,
                              later.finished, later.finish_reason, later.error, later.prompt_tokens,
-                             later.output_tokens, later.cached_tokens, later.queue_seconds)
+                             later.output_tokens, later.cached_tokens, later.queue_seconds, logprobs,
+                             later.cum_logprob)
 
 
 @dataclass
@@ -71,6 +75,8 @@ class Sequence:
         self.text = ""
         self.sent_chars = 0
         self.unsent_ids: list[int] = []
+        self.unsent_logprobs: list[float] = []
+        self.cum_logprob = 0.0
 
     @property
     def num_prompt(self) -> int:
@@ -93,22 +99,34 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def append(self, token: int) -> RequestOutput | None:
-        """Take a sampled token; returns an output when there is something to send."""
+    def choose(self, logits: np.ndarray) -> tuple[int, float | None]:
+        """The next token from the last position's logits, and its log-prob if the request wants it."""
+        params = self.params
+        adjusted = adjust_logits(logits, params, self.tokens, self.num_prompt, self.stop_token_ids) \
+            if params.adjusts_logits else logits
+        token = sample(adjusted, params, self.rng)
+        return token, log_softmax(logits, token) if params.logprobs else None
+
+    def append(self, token: int, logprob: float | None = None) -> RequestOutput:
+        """Take a sampled token; the output carries it (one token per output), its text may be
+        empty while the tail is held back (an unfinished character or a possible stop string)."""
         if token in self.stop_token_ids:
             return self.finish("stop")
         self.tokens.append(token)
         self.unsent_ids.append(token)
+        if logprob is not None:
+            self.unsent_logprobs.append(logprob)
+            self.cum_logprob += logprob
         before = len(self.text)
         self.text += self.detokenizer.push(token)
-        stop_at = find_stop(self.text, self.params.stop, before)
+        stop_at = find_stop(self.text, self.params.stop, before) if self.num_output >= self.params.min_tokens else -1
         if stop_at >= 0:
             self.text = self.text[:stop_at]
             return self.finish("stop", flush=False)
         if self.num_output >= self.params.max_tokens:
             return self.finish("length")
         ready = len(self.text) - stop_hold_back(self.text, self.params.stop)
-        return self._output(ready) if ready > self.sent_chars else None
+        return self._output(max(ready, self.sent_chars))
 
     def finish(self, reason: str, error: str | None = None, flush: bool = True) -> RequestOutput:
         if flush:  # text cut at a stop string ends there; otherwise held-back bytes go out now
@@ -122,6 +140,8 @@ class Sequence:
     def _output(self, upto: int) -> RequestOutput:
         out = RequestOutput(self.request_id, self.text[self.sent_chars:upto], self.unsent_ids,
                             prompt_tokens=self.num_prompt, output_tokens=self.num_output,
-                            cached_tokens=self.cached_tokens)
-        self.sent_chars, self.unsent_ids = upto, []
+                            cached_tokens=self.cached_tokens,
+                            logprobs=self.unsent_logprobs if self.params.logprobs else None,
+                            cum_logprob=self.cum_logprob)
+        self.sent_chars, self.unsent_ids, self.unsent_logprobs = upto, [], []
         return out

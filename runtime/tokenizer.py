@@ -20,9 +20,9 @@ class Tokenizer:
         self._tok = tokenizers.Tokenizer.from_file(str(path))
         self.eos_token_ids = tuple(manifest.tokenizer.get("eos_token_ids") or ())
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # the tokenizer.json's own post-processor decides about BOS, as in the model's training
-        return self._tok.encode(text, add_special_tokens=True).ids
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

@@ -51,6 +51,7 @@ DRAIN_SECONDS = 30.0
 RESTRICTED_APIS = "model-repository,logging,trace,shared-memory"
 CONTROL_KEY_HEADER = "kvforge-key"
 CONTROL_KEY_ENV = "KVFORGE_CONTROL_KEY"
+OPENAI_KEY_ENV = "KVFORGE_OPENAI_API_KEY"  # the bearer key the OpenAI-compatible API then requires
 DEFAULT_KEY_FILE = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "kvforge" / "control.key"
 STUB_NAME = "triton_python_backend_stub"
 STUB_INSTANCE_ARG = 8  # the python backend starts a stub as: stub model.py shm ... instance_name ...
@@ -377,11 +378,18 @@ class Supervisor:
         self.state = "stopped"
 
 
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m runtime.triton_server", description=__doc__.split("\n\n")[0])
     parser.add_argument("--repo", type=Path, default=Path("model_repository"))
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--http-port", type=int, default=8000, help="the front (proxying Triton's /v2 HTTP API)")
+    parser.add_argument("--openai-port", type=int, default=None,
+                        help="the OpenAI-compatible API, served by the front too (default: off; make serve: 9000); "
+                             f"beyond loopback it needs ${OPENAI_KEY_ENV}")
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--triton-http-port", type=int, default=None,
@@ -444,8 +452,13 @@ def main(argv: list[str] | None = None) -> int:
         if not repo.is_dir():
             raise ServerError(f"model repository {repo} does not exist "
                               "(`python -m engines repository ENGINE_DIR --repo DIR` writes it)")
-        if port_in_use(args.host, args.http_port):
-            raise ServerError(f"port {args.http_port} on {args.host} is in use (another server?); choose another")
+        for port in filter(None, (args.http_port, args.openai_port)):
+            if port_in_use(args.host, port):
+                raise ServerError(f"port {port} on {args.host} is in use (another server?); choose another")
+        api_key = os.environ.get(OPENAI_KEY_ENV) or None
+        if args.openai_port and not api_key and not is_loopback(args.host):
+            raise ServerError(f"the OpenAI-compatible API on {args.host} would be open to anyone: set ${OPENAI_KEY_ENV} "
+                              "(clients send it as a bearer token) or bind 127.0.0.1")
         key, key_source = control_key(args.control_key_file)
         log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvforge-logs-"))
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -461,14 +474,17 @@ def main(argv: list[str] | None = None) -> int:
                                key, log_dir / "triton.log", server_env(model_env))
         supervisor = Supervisor(triton, args.ready_timeout, log_dir)
         config = FrontConfig(triton_http=f"127.0.0.1:{triton.http_port}", triton_grpc=f"127.0.0.1:{args.grpc_port}",
-                             model_repository=repo, max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+                             model_repository=repo, max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
+                             api_key=api_key)
         try:
             supervisor.start()
             print(f"[kvforge] serving: HTTP {args.host}:{args.http_port} (front), gRPC {args.host}:{args.grpc_port}, "
-                  f"metrics http://{args.host}:{args.metrics_port}/metrics; control key from {key_source} "
+                  f"metrics http://{args.host}:{args.metrics_port}/metrics"
+                  + (f", OpenAI API http://{args.host}:{args.openai_port}/v1" if args.openai_port else "")
+                  + f"; control key from {key_source} "
                   f"(header {CONTROL_KEY_HEADER}); logs in {log_dir}", file=sys.stderr, flush=True)
             return uvloop.run(serve(config, supervisor, args.host, args.http_port, log_dir,
-                                    args.drain_seconds, command))
+                                    args.drain_seconds, command, args.openai_port))
         except ServerError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
@@ -485,8 +501,9 @@ class TritonServer:
     def __init__(self, repo: Path, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
                  metrics_port: int = 8002, ready_timeout: float = READY_TIMEOUT, log_dir: Path | None = None,
                  extra_args: list[str] | None = None, control_key: str | None = None,
-                 launcher_prefix: list[str] | None = None):
+                 launcher_prefix: list[str] | None = None, openai_port: int | None = None):
         self.repo = Path(repo).resolve()
+        self.openai_port = openai_port
         self.host, self.ready_timeout = host, ready_timeout
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.extra_args = list(extra_args or [])
@@ -509,6 +526,10 @@ class TritonServer:
         return f"http://{self.host}:{self.metrics_port}/metrics"
 
     @property
+    def openai_url(self) -> str:
+        return f"http://{self.host}:{self.openai_port}/v1"
+
+    @property
     def launcher_log(self) -> Path:
         return self.log_dir / "launcher.log"
 
@@ -520,7 +541,8 @@ class TritonServer:
         cmd = [*self.launcher_prefix, sys.executable, "-m", "runtime.triton_server", "--repo", str(self.repo), "--host", self.host,
                "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
                "--metrics-port", str(self.metrics_port), "--ready-timeout", str(self.ready_timeout),
-               "--log-dir", str(self.log_dir), *self.extra_args]
+               "--log-dir", str(self.log_dir),
+               *(["--openai-port", str(self.openai_port)] if self.openai_port else []), *self.extra_args]
         with open(self.launcher_log, "ab") as log:
             self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                             cwd=Path(__file__).resolve().parents[1],

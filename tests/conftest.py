@@ -42,13 +42,14 @@ def exports(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def triton(exports, tmp_path_factory):
-    """A real tritonserver on free loopback ports serving `llm` and `step` for the tiny export.
+    """The launcher (front, OpenAI API, supervised tritonserver) on free loopback ports serving the
+    repository (`llm`, its aliases, `step`) for the tiny export.
     The preset's whole context lets a request run long enough to be cancelled mid-generation."""
     from engines.repository import write_repository
     from runtime.triton_server import TritonServer, free_ports
 
     repo = tmp_path_factory.mktemp("model_repository")
     write_repository(exports(max_seq_len=SERVING_CONTEXT), repo, slots=SERVING_SLOTS)
-    http, grpc, metrics = free_ports(3)
-    with TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics) as server:
+    http, grpc, metrics, openai = free_ports(4)
+    with TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics, openai_port=openai) as server:
         yield server

@@ -103,6 +103,9 @@ def test_kv_dtypes_peers_roofline_weights_serving_structure(quick_run):
         assert all(r["cpu_ms_per_token"].keys() == parts and max(r["cpu_ms_per_token"].values()) > 0
                    for r in serving[mode])
     assert set(serving["overhead_percent"]) == {str(c) for c in results["meta"]["params"]["concurrency"]}
+    aiperf = serving["aiperf_openai"]  # aiperf is a bench-only extra: skipped, saying why, where not installed
+    assert "skipped" in aiperf or all(not r.get("error") and {"p50", "p99"} <= r["ttft_ms"].keys()
+                                      and r["output_tokens_per_s"] > 0 for e in ("chat", "completions") for r in aiperf[e])
 
 
 def test_prefix_cache_structure(quick_run):

@@ -219,7 +219,8 @@ def test_big_bodies_are_refused_before_triton_sees_them(service):
     (b'{"text_input": "x", "max_tokens": true}', 400, "max_tokens must be an integer"),
     (b'{"text_input": "x", "max_tokens": 3, "seed": -1}', 400, "seed must be an integer in 0..2**64-1"),
     (b'{"text_input": "x", "max_tokens": 3, "temperature": "hot"}', 400, "temperature must be a number"),
-    (b'{"text_input": "x", "max_tokens": 3, "stop": [1]}', 400, "stop must be a string or a list"),
+    (b'{"text_input": "x", "max_tokens": 3, "stop_words": [1]}', 400, "stop_words must be a string or a list"),
+    (b'{"text_input": "x", "max_tokens": 3, "stop": "now"}', 400, "stop must be true or false"),
     (b'{"text_input": "x", "max_tokens": 3, "stream": "yes"}', 400, "stream must be true or false"),
     (b'\xff\xfe', 400, "not valid JSON"),
 ])
@@ -247,7 +248,7 @@ def test_errors_quote_a_bounded_part_of_the_input(service):
     huge = "s" * 1_000_000
     for protocol, url in (("http", service.http_url), ("grpc", service.grpc_url)):
         with pytest.raises(GenerationError) as error:
-            LLMClient(url, protocol).generate("x", max_tokens=3, stop=[huge], stream=False)
+            LLMClient(url, protocol).generate("x", max_tokens=3, stop_words=[huge], stream=False)
         message = str(error.value)
         assert "1000000 characters" in message and len(message) < 400, message[:500]
     status, _, text = generate(service, max_tokens="m" * 500_000)

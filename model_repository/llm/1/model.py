@@ -4,9 +4,11 @@ Decoupled: execute() only parses and submits, then returns; the engine's thread 
 hands outputs to a sender thread, so a slow client never stalls decoding. The sender also
 polls `is_cancelled()` every CANCEL_POLL_SECONDS (a client that went away frees its slot at the
 next step), updates the custom metrics and latency histograms, and writes one access-log line
-per request (ids and counts, never the text). Inputs and outputs use the names of the
-TensorRT-LLM/vLLM backends, so /v2/models/llm/generate, /generate_stream and gRPC stream_infer
-work as with those. Refusals for load (queue full, queue timeout) start with "UNAVAILABLE:".
+per request (ids and counts, never the text). Inputs and outputs use the names, dtypes and
+meanings of TensorRT-LLM's ensemble / tensorrt_llm_bls models (README "Inputs and outputs" lists
+each), so /v2/models/llm/generate, /generate_stream and gRPC stream_infer work as with those; a
+request with `stop` true is TensorRT-LLM's signal that ends the live request with the same
+request id. Refusals for load (queue full, queue timeout) start with "UNAVAILABLE:".
 
 Prefix caching: an optional `cache_salt` input isolates a tenant's cached prefixes, every
 response carries `cached_tokens`, and a request with `clear_prefix_cache` true and the operator's
@@ -25,6 +27,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from runtime.llm_engine import LLMEngine, QueueFullError, RequestError, SamplingParams
+from runtime.sequence import RequestOutput
+from runtime.triton_requests import either, identity_only, one_value, refuse_unknown_parameters, strings, utf8
 from runtime.triton_server import append_json_line
 
 # is_cancelled() is a round trip to the server, so it is asked per request every this many
@@ -33,6 +37,10 @@ from runtime.triton_server import append_json_line
 CANCEL_POLL_SECONDS = 0.02
 WAITING_POLL_SECONDS = 0.2
 METRICS_SECONDS = 0.1
+# A stream gets one response per token; only when the sender finds more than this many of one
+# stream's outputs queued at once (the client or the response path fell behind the engine) does
+# it merge them into one response, which says how many tokens it carries (num_output_tokens).
+MAX_UNMERGED = 8
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 UNAVAILABLE = "UNAVAILABLE:"  # the documented prefix of every refusal for load; retry later
 # engine stats key -> custom metric on Triton's metrics port
@@ -104,52 +112,98 @@ def env_seconds(name):
 class Client:
     """One request's response sender; without streaming, it gathers the output for one response."""
 
-    def __init__(self, sender, stream: bool, log_id: str):
+    def __init__(self, sender, stream: bool, log_id: str, echo: str = "", triton_id: str = ""):
         self.sender, self.stream, self.log_id = sender, stream, log_id
+        self.echo = echo  # the prompt text, sent before the output when exclude_input_in_output is false
+        self.triton_id = triton_id  # the client's request id, which a `stop` request names
         self.request_id = None  # set once the engine accepted the request
-        self.cancelled = self.finished = False
+        self.cancelled = self.finished = self.stopped = False
         self.gathered = None
         self.arrived = time.perf_counter()
         self.first_token = self.last_sent = self.cancel_seen = None
         self.next_poll = 0.0
 
 
-def one_value(request, name, default, convert):
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    if tensor is None:
-        return default
-    values = tensor.as_numpy().reshape(-1)
-    if values.size != 1:
-        raise RequestError(f"{name} must hold exactly one value (one prompt per request), got {values.size}")
-    return convert(values[0])
+def prompt_of(request, tokenizer):
+    """(prompt for the engine, its text for echoing): text_input, or TensorRT-LLM's input_ids."""
+    text = one_value(request, "text_input", None, utf8("text_input"))
+    ids = pb_utils.get_input_tensor_by_name(request, "input_ids")
+    if text is not None and ids is not None:
+        raise RequestError("send the prompt as text_input or as input_ids, not both")
+    if ids is None:
+        return text or "", text or ""
+    ids = ids.as_numpy().reshape(-1).tolist()
+    length = one_value(request, "input_lengths", len(ids), int)
+    if not 0 <= length <= len(ids):
+        raise RequestError(f"input_lengths must be in 0..{len(ids)} (the input_ids sent), got {length}")
+    return ids[:length], tokenizer.decode(ids[:length])
 
 
-def utf8(name):
-    def convert(value: bytes) -> str:
-        try:
-            return value.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise RequestError(f"{name} is not valid UTF-8: {e.reason} at byte {e.start}") from None
-    return convert
-
-
-def parse(request):
-    stop = pb_utils.get_input_tensor_by_name(request, "stop")
+def parse(request, engine):
+    """(prompt, SamplingParams, stream, echo text) of a generation request."""
+    refuse_unknown_parameters(request)
+    identity_only(request, "beam_width", 1, "kvforge does not implement beam search")
+    identity_only(request, "length_penalty", 1, "it scores beams and kvforge does not implement beam search")
+    identity_only(request, "num_return_sequences", 1,
+                  "kvforge returns one sequence per request; send several requests (the OpenAI API's n does)")
+    pad_id = one_value(request, "pad_id", None, int)
+    vocab = engine.limits.vocab_size
+    if pad_id is not None and not 0 <= pad_id < vocab:  # kvforge never pads an output, so that is all
+        raise RequestError(f"pad_id must be a token id in 0..{vocab - 1}, got {pad_id}")
+    max_tokens = either(request, ("max_tokens", "request_output_len"), int)
+    if max_tokens is None:
+        raise RequestError("max_tokens is required: how many tokens to generate at most")
+    top_p = one_value(request, "top_p", 1.0, float)
     params = SamplingParams(
-        max_tokens=one_value(request, "max_tokens", None, int),
+        max_tokens=max_tokens,
         temperature=one_value(request, "temperature", 0.0, float),
-        top_p=one_value(request, "top_p", 1.0, float),
+        top_p=1.0 if top_p == 0 else top_p,  # TensorRT-LLM reads top_p 0 as "off"
         top_k=one_value(request, "top_k", 0, int),
-        seed=one_value(request, "seed", None, int),
-        stop=tuple(map(utf8("stop"), stop.as_numpy().reshape(-1))) if stop is not None else ())
-    return one_value(request, "text_input", "", utf8("text_input")), params, one_value(request, "stream", False, bool)
+        seed=either(request, ("seed", "random_seed"), int),
+        stop=strings(request, "stop_words"),
+        bad_words=strings(request, "bad_words"),
+        end_id=one_value(request, "end_id", None, int),
+        repetition_penalty=one_value(request, "repetition_penalty", 1.0, float),
+        presence_penalty=one_value(request, "presence_penalty", 0.0, float),
+        frequency_penalty=one_value(request, "frequency_penalty", 0.0, float),
+        min_tokens=either(request, ("min_tokens", "min_length"), int) or 0,
+        logprobs=one_value(request, "return_log_probs", False, bool))
+    prompt, prompt_text = prompt_of(request, engine.tokenizer)
+    echo = prompt_text if not one_value(request, "exclude_input_in_output", True, bool) else ""
+    return prompt, params, one_value(request, "stream", False, bool), echo
 
 
-def response(text, ids, cached_tokens=0):
-    return pb_utils.InferenceResponse(output_tensors=[
-        pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_)),
-        pb_utils.Tensor("output_ids", np.array([ids], dtype=np.int32)),
-        pb_utils.Tensor("cached_tokens", np.array([cached_tokens], dtype=np.int32))])
+def response(out: RequestOutput, echo: str = ""):
+    """One response of the llm model: the text and tokens of `out`, with their counts."""
+    tensors = [
+        # one text per response, 1-D like TensorRT-LLM's postprocessing output (llama-index iterates it)
+        pb_utils.Tensor("text_output", np.array([(echo + out.text).encode("utf-8")], dtype=np.object_)),
+        pb_utils.Tensor("output_ids", np.array([out.token_ids], dtype=np.int32)),
+        pb_utils.Tensor("num_input_tokens", np.array([[out.prompt_tokens]], dtype=np.int32)),
+        pb_utils.Tensor("num_output_tokens", np.array([[len(out.token_ids)]], dtype=np.int32)),
+        pb_utils.Tensor("sequence_length", np.array([[out.output_tokens]], dtype=np.int32)),
+        pb_utils.Tensor("finish_reason", np.array([[(out.finish_reason or "").encode()]], dtype=np.object_)),
+        pb_utils.Tensor("cached_tokens", np.array([[out.cached_tokens]], dtype=np.int32))]
+    if out.logprobs is not None:
+        tensors += [pb_utils.Tensor("cum_log_probs", np.array([[out.cum_logprob]], dtype=np.float32)),
+                    pb_utils.Tensor("output_log_probs", np.array([[out.logprobs]], dtype=np.float32))]
+    return pb_utils.InferenceResponse(output_tensors=tensors)
+
+
+def coalesce(items):
+    """[(client, output)] in arrival order -> what to send: each output alone unless one client
+    has more than MAX_UNMERGED queued, which then go as one response."""
+    by_client = {}
+    for client, out in items:
+        by_client.setdefault(client, []).append(out)
+    for client, outs in by_client.items():
+        if len(outs) <= MAX_UNMERGED:
+            yield from ((client, out) for out in outs)
+        else:
+            merged = outs[0]
+            for out in outs[1:]:
+                merged = merged.merge(out)
+            yield client, merged
 
 
 def cache_salt(request):
@@ -166,7 +220,9 @@ def clear_prefix_cache(request, engine):
     if not expected or not hmac.compare_digest(given, expected):
         return error("clearing the prefix cache needs the server's control key (control_key input)",
                      pb_utils.TritonError.INVALID_ARG)
-    return response(f"cleared {engine.clear_prefix_cache()} prefix cache blocks", [])
+    cleared = engine.clear_prefix_cache()
+    return response(RequestOutput(0, f"cleared {cleared} prefix cache blocks", [], finished=True,
+                                  finish_reason="stop"))
 
 
 def engine_options():
@@ -223,6 +279,7 @@ class TritonPythonModel:
         self.access_log = Path(access_log) if access_log else None
         self.outbox = queue.Queue()
         self.live = set()
+        self.by_triton_id = {}  # request id -> live Client, for TensorRT-LLM's `stop` requests
         self.live_lock = threading.Lock()
         self.poll_seconds = 0.0
         labels = {"model": args["model_name"], "version": args["model_version"]}
@@ -251,14 +308,19 @@ class TritonPythonModel:
                 if control is not None:
                     sender.send(control, flags=FINAL)
                     continue
-                prompt, params, stream = parse(request)
-                client = Client(sender, stream, log_id)
+                if one_value(request, "stop", False, bool):
+                    self.stop(request)
+                    continue
+                prompt, params, stream, echo = parse(request, self.engine)
+                client = Client(sender, stream, log_id, echo, request.request_id())
                 client.request_id = self.engine.submit(prompt, params, lambda out, c=client: self.outbox.put((c, out)),
                                                        cache_salt=cache_salt(request), queue_timeout=self.queue_timeout,
                                                        timeout=self.request_timeout)
                 with self.live_lock:
                     if not client.finished:  # a short request may be done already
                         self.live.add(client)
+                        if client.triton_id:
+                            self.by_triton_id[client.triton_id] = client
             except QueueFullError as e:
                 sender.send(error(f"{UNAVAILABLE} {e}", pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
                 self.log(dict(request_id=log_id, finish_reason="queue_full"))
@@ -266,6 +328,19 @@ class TritonPythonModel:
                 sender.send(error(str(e), pb_utils.TritonError.INVALID_ARG), flags=FINAL)
                 self.log(dict(request_id=log_id, finish_reason="invalid", error=str(e)[:200]))
         return None
+
+    def stop(self, request):
+        """TensorRT-LLM's stop signal (llama-index sends one after every request): end the live
+        request with this request id; its stream ends with what it has generated so far."""
+        # llama-index marks its stop request with a "Streaming" parameter; nothing else may come along
+        refuse_unknown_parameters(request, allowed=("Streaming",))
+        with self.live_lock:
+            client = self.by_triton_id.get(request.request_id()) if request.request_id() else None
+            if client is not None:
+                client.stopped = True
+        if client is not None:
+            self.engine.cancel(client.request_id)
+        request.get_response_sender().send(flags=FINAL)
 
     def log(self, record):
         append_json_line(self.access_log, dict(source="engine", **record))
@@ -283,15 +358,8 @@ class TritonPythonModel:
                     items.append(self.outbox.get_nowait())
                 except queue.Empty:
                     break
-            # a stream that fell behind the engine gets its queued tokens as one response
-            pending = {}
-            for item in items:
-                if item is None:
-                    stopping = True
-                    continue
-                client, out = item
-                pending[client] = pending[client].merge(out) if client in pending else out
-            for client, out in pending.items():
+            stopping = None in items
+            for client, out in coalesce(item for item in items if item is not None):
                 try:
                     self.send(client, out)
                 except Exception as e:  # one request's failed send must not stop every other stream
@@ -318,20 +386,22 @@ class TritonPythonModel:
             with self.live_lock:
                 client.finished = True
                 self.live.discard(client)
+                if self.by_triton_id.get(client.triton_id) is client:
+                    del self.by_triton_id[client.triton_id]
         self.observe(client, out)
-        if out.finish_reason == "cancelled":
+        if out.finish_reason == "cancelled" and not client.stopped:
             client.sender.send(error("the request was cancelled", pb_utils.TritonError.CANCELLED), flags=FINAL)
         elif out.finish_reason == "timeout":
             client.sender.send(error(f"{UNAVAILABLE} {out.error}", pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
         elif out.error:
             client.sender.send(error(out.error, pb_utils.TritonError.INTERNAL), flags=FINAL)
         elif client.stream:
-            client.sender.send(response(out.text, out.token_ids, out.cached_tokens), flags=FINAL if out.finished else 0)
+            client.sender.send(response(out, client.echo), flags=FINAL if out.finished else 0)
+            client.echo = ""
         else:
             client.gathered = client.gathered.merge(out) if client.gathered else out
             if out.finished:
-                client.sender.send(response(client.gathered.text, client.gathered.token_ids, out.cached_tokens),
-                                   flags=FINAL)
+                client.sender.send(response(client.gathered, client.echo), flags=FINAL)
 
     def observe(self, client, out):
         """Latency histograms as the response goes out; the access-log line when it is the last."""

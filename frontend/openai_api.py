@@ -1,0 +1,497 @@
+"""The OpenAI-compatible API (/v1/models, /v1/completions, /v1/chat/completions) over Triton's gRPC.
+
+    app = create_openai_app(FrontConfig(triton_http=..., triton_grpc="127.0.0.1:8001",
+                                        model_repository=Path("model_repository")))
+
+Every choice is one streamed request to the `llm` model (`n` choices are n requests, seeds
+seed, seed+1, ...), so there is no second engine. Chat messages become a prompt through the
+checkpoint's chat template (frontend/chat_template.py). Request bodies are validated against
+the fields below; a field kvforge does not know or cannot honour gets an OpenAI-shaped 400
+naming it (never silently ignored). A client that disconnects cancels its Triton streams.
+Extensions beyond OpenAI's fields (as in vLLM): top_k, min_tokens, repetition_penalty,
+cache_salt (reaches the prefix cache's salt).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator, Literal
+
+import numpy as np
+import tritonclient.grpc.aio as grpcclient
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from tritonclient.utils import InferenceServerException
+
+from frontend.chat_template import ChatTemplate, ChatTemplateError
+from frontend.config import FrontConfig
+from kvforge.manifest import Manifest
+from runtime.sampling import quote
+from runtime.tokenizer import Tokenizer
+
+MAX_CHOICES = 8  # n per request: each choice occupies an engine slot
+MAX_PROMPTS = 8  # prompts in one /v1/completions request
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+# An error inside a gRPC stream reaches the client as its message only (no status code), so the
+# llm model's server-side failures are told apart by their wording; everything else it refuses
+# (and what Triton refuses before the model runs) is the request's fault: 400.
+BUSY_PREFIX = "UNAVAILABLE:"  # the llm model's refusals for load (queue full, queue timeout)
+BUSY_MARKER = "queue is full"  # runtime.scheduler.QueueFullError: retry later
+SERVER_FAULT_PREFIX = "the engine"  # "the engine step failed: ...", "the engine shut down"
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+# ---------------------------------------------------------------------- request bodies
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # an unknown field is an error naming it
+
+
+class StreamOptions(Body):
+    include_usage: bool = False
+
+
+class Sampling(Body):
+    """The fields /v1/completions and /v1/chat/completions share."""
+    model: str
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # an end-user id for the operator's logs; it does not change the answer
+    # extensions, as in vLLM
+    top_k: int | None = Field(None, ge=0)
+    min_tokens: int | None = Field(None, ge=0)
+    repetition_penalty: float | None = Field(None, gt=0)
+    cache_salt: str | None = None
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[str] | list[int]
+    max_tokens: int | None = Field(DEFAULT_COMPLETION_TOKENS, ge=1)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0)
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+    suffix: str | None = None
+
+
+class TextPart(Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(Body):
+    type: Literal["text"]
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+
+
+# ---------------------------------------------------------------------- one choice = one llm stream
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt_index: int
+    inputs: list
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, delta: Delta) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs or []
+        self.finish_reason = delta.finish_reason or self.finish_reason
+        self.prompt_tokens, self.cached_tokens = delta.prompt_tokens, delta.cached_tokens
+
+
+def tensor(name: str, value, datatype: str):
+    dtype = {"BYTES": np.object_, "INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32, "BOOL": np.bool_}[datatype]
+    if datatype == "BYTES":
+        value = [v.encode("utf-8") for v in (value if isinstance(value, list) else [value])]
+    data = np.array([value if isinstance(value, list) else [value]], dtype=dtype)
+    infer_input = grpcclient.InferInput(name, list(data.shape), datatype)
+    infer_input.set_data_from_numpy(data)
+    return infer_input
+
+
+def llm_inputs(prompt: str | list[int], body: Sampling, max_tokens: int, seed: int | None, echo: bool,
+               logprobs: bool) -> list:
+    inputs = [tensor("input_ids", prompt, "INT32") if isinstance(prompt, list) else tensor("text_input", prompt, "BYTES"),
+              tensor("max_tokens", max_tokens, "INT32"), tensor("stream", True, "BOOL"),
+              tensor("temperature", body.temperature, "FP32"), tensor("top_p", body.top_p, "FP32")]
+    optional = [("seed", seed, "UINT64"), ("top_k", body.top_k, "INT32"), ("min_tokens", body.min_tokens, "INT32"),
+                ("repetition_penalty", body.repetition_penalty, "FP32"), ("cache_salt", body.cache_salt, "BYTES"),
+                ("presence_penalty", body.presence_penalty or None, "FP32"),
+                ("frequency_penalty", body.frequency_penalty or None, "FP32"),
+                ("stop_words", [body.stop] if isinstance(body.stop, str) else (body.stop or None), "BYTES"),
+                ("exclude_input_in_output", False if echo else None, "BOOL"),
+                ("return_log_probs", True if logprobs else None, "BOOL")]
+    return inputs + [tensor(name, value, datatype) for name, value, datatype in optional if value is not None]
+
+
+def as_delta(result) -> Delta:
+    def value(name):
+        array = result.as_numpy(name)
+        return None if array is None else array.reshape(-1)
+
+    text = value("text_output")
+    logprobs = value("output_log_probs")
+    cached = value("cached_tokens")  # present once the engine has a prefix cache
+    reason = value("finish_reason")
+    return Delta(text=b"".join(text).decode("utf-8") if text is not None else "",
+                 token_ids=value("output_ids").tolist(),
+                 logprobs=logprobs.tolist() if logprobs is not None else None,
+                 finish_reason=(reason[0].decode() or None) if reason is not None else None,
+                 prompt_tokens=int(value("num_input_tokens")[0]),
+                 cached_tokens=int(cached[0]) if cached is not None else 0)
+
+
+def triton_error(error: InferenceServerException) -> APIError:
+    message = error.message()
+    if message.startswith(BUSY_PREFIX) or BUSY_MARKER in message:
+        return APIError(503, message, kind="server_busy")
+    if message.startswith(SERVER_FAULT_PREFIX):
+        return APIError(500, message, kind="server_error")
+    return APIError(400, message)
+
+
+# ---------------------------------------------------------------------- the app
+
+def engine_dir_of(repo: Path, model: str) -> Path:
+    """The engine dir the llm model's config.pbtxt names (relative to the repository)."""
+    config = (repo / model / "config.pbtxt").read_text()
+    found = re.search(r'key: "engine_dir" value: \{ string_value: "([^"]+)" \}', config)
+    if not found:
+        raise ValueError(f"{repo / model / 'config.pbtxt'} names no engine_dir; run `python -m engines repository`")
+    return (repo / found.group(1)).resolve()
+
+
+class OpenAIServer:
+    def __init__(self, config: FrontConfig):
+        self.config = config
+        engine_dir = engine_dir_of(Path(config.model_repository), config.model)
+        self.manifest = Manifest.load(engine_dir)
+        self.tokenizer = Tokenizer(engine_dir, self.manifest)
+        self.chat_template = ChatTemplate(engine_dir)
+        self._client: grpcclient.InferenceServerClient | None = None
+
+    @property
+    def client(self) -> grpcclient.InferenceServerClient:
+        if self._client is None:  # made inside the event loop that uses it
+            self._client = grpcclient.InferenceServerClient(self.config.triton_grpc)
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+    async def stream(self, inputs: list, request_id: str) -> AsyncIterator[Delta]:
+        """One llm request's deltas; leaving early (or being cancelled) cancels it in Triton."""
+        async def requests():
+            yield {"model_name": self.config.model, "inputs": inputs, "request_id": request_id}
+
+        responses = self.client.stream_infer(requests())
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    raise triton_error(error)
+                delta = as_delta(result)
+                yield delta
+                if delta.finish_reason:
+                    return
+        finally:
+            responses.cancel()
+
+    def check_model(self, body: Sampling) -> None:
+        if body.model != self.config.model:
+            raise APIError(404, f"the model {quote(body.model)} does not exist; this server serves {self.config.model!r}",
+                           param="model", code="model_not_found")
+
+    def max_tokens(self, prompt: str | list[int], requested: int | None) -> int:
+        """What the client asked for, or (no limit given) the rest of the context."""
+        if requested is not None:
+            return requested
+        length = len(prompt) if isinstance(prompt, list) else len(self.tokenizer.encode(prompt))
+        return max(1, self.manifest.max_seq_len - length)
+
+    def chat_prompt(self, body: ChatRequest) -> str:
+        messages = [{"role": m.role, "content": "".join(part.text for part in m.content)
+                     if isinstance(m.content, list) else (m.content or ""), **({"name": m.name} if m.name else {})}
+                    for m in body.messages]
+        try:
+            return self.chat_template.render(messages)
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), param="messages") from None
+
+
+def refuse_unsupported(body: Sampling) -> None:
+    """Fields whose only value kvforge can honour is their default."""
+    if getattr(body, "logit_bias", None):
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    alternatives = "logprobs" if isinstance(body, CompletionRequest) else "top_logprobs"
+    if getattr(body, alternatives):
+        raise APIError(400, f"{alternatives} must be 0: kvforge returns the chosen token's log-prob only, "
+                            "not the most likely alternatives", param=alternatives)
+    if isinstance(body, CompletionRequest):
+        if body.suffix:
+            raise APIError(400, "suffix (insertion) is not supported", param="suffix")
+        if body.best_of not in (None, body.n):
+            raise APIError(400, "best_of must equal n: kvforge returns every sequence it generates", param="best_of")
+
+
+def usage(choices: list[Choice]) -> dict:
+    first_of_prompt = {c.prompt_index: c for c in reversed(choices)}  # n choices share one prompt
+    prompt_tokens = sum(c.prompt_tokens for c in first_of_prompt.values())
+    completion_tokens = sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in first_of_prompt.values())}}
+
+
+async def until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class Completion:
+    """One /v1 request in flight: its choices' llm streams fanned into one queue."""
+
+    def __init__(self, server: OpenAIServer, kind: str, body: Sampling, choices: list[Choice], logprobs: bool):
+        self.server, self.kind, self.body, self.choices, self.logprobs = server, kind, body, choices, logprobs
+        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self.tasks = [asyncio.create_task(self._run(choice)) for choice in self.choices]
+
+    async def _run(self, choice: Choice) -> None:
+        try:
+            async for delta in self.server.stream(choice.inputs, f"{self.id}-{choice.index}"):
+                choice.add(delta)
+                await self.queue.put((choice, delta))
+        except APIError as e:
+            await self.queue.put((choice, e))
+        finally:
+            await self.queue.put((choice, None))
+
+    def cancel(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+
+    async def events(self) -> AsyncIterator[tuple[Choice, Delta]]:
+        """Each choice's deltas as they come; raises the first error."""
+        open_choices = len(self.choices)
+        while open_choices:
+            choice, item = await self.queue.get()
+            if item is None:
+                open_choices -= 1
+            elif isinstance(item, APIError):
+                raise item
+            else:
+                yield choice, item
+
+    async def gather(self, request: Request) -> None:
+        """Wait for every choice to finish; a client that goes away cancels them."""
+        async def drain():
+            async for _ in self.events():
+                pass
+
+        work, watcher = asyncio.create_task(drain()), asyncio.create_task(until_disconnected(request))
+        try:
+            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                raise APIError(499, "the client disconnected")
+            work.result()
+        finally:
+            watcher.cancel()
+            work.cancel()
+            self.cancel()
+
+    # ------------------------------------------------------------------ response bodies
+
+    def logprobs_of(self, token_ids: list[int], logprobs: list[float]) -> dict | None:
+        if not self.logprobs:
+            return None
+        tokens = [self.server.tokenizer.decode([t]) for t in token_ids]
+        if self.kind == "chat":
+            return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                                for t, lp in zip(tokens, logprobs)], "refusal": None}
+        offsets = np.cumsum([0] + [len(t) for t in tokens[:-1]]).tolist() if tokens else []
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets}
+
+    def envelope(self, choices: list[dict], chunk: bool) -> dict:
+        kind = {("chat", False): "chat.completion", ("chat", True): "chat.completion.chunk"}.get(
+            (self.kind, chunk), "text_completion")
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.body.model,
+                "system_fingerprint": None, "choices": choices}
+
+    def choice_body(self, choice: Choice, text: str, token_ids: list[int], logprobs: list[float],
+                    finish_reason: str | None, chunk: bool) -> dict:
+        body = {"index": choice.index, "logprobs": self.logprobs_of(token_ids, logprobs), "finish_reason": finish_reason}
+        if self.kind != "chat":
+            body["text"] = text
+        elif chunk:
+            body["delta"] = {"role": "assistant", "content": text}
+        else:
+            body["message"] = {"role": "assistant", "content": text}
+        return body
+
+    def final(self) -> dict:
+        body = self.envelope([self.choice_body(c, c.text, c.token_ids, c.logprobs, c.finish_reason, chunk=False)
+                              for c in self.choices], chunk=False)
+        return {**body, "usage": usage(self.choices)}
+
+    async def sse(self, first: tuple[Choice, Delta], rest: AsyncIterator[tuple[Choice, Delta]]) -> AsyncIterator[str]:
+        def event(payload: dict) -> str:
+            return f"data: {json.dumps(payload)}\n\n"
+
+        async def all_events():
+            yield first
+            async for item in rest:
+                yield item
+
+        try:
+            async for choice, delta in all_events():
+                yield event(self.envelope([self.choice_body(choice, delta.text, delta.token_ids, delta.logprobs or [],
+                                                            delta.finish_reason, chunk=True)], chunk=True))
+            if self.body.stream_options and self.body.stream_options.include_usage:
+                yield event({**self.envelope([], chunk=True), "usage": usage(self.choices)})
+        except APIError as e:  # after the 200 went out, an error is one more event
+            yield event(e.body())
+        finally:
+            self.cancel()
+        yield "data: [DONE]\n\n"
+
+    async def respond(self, request: Request):
+        self.start()
+        if not self.body.stream:
+            await self.gather(request)
+            return JSONResponse(self.final())
+        events = self.events()
+        try:  # the first delta decides between a 200 stream and an error status
+            first = await events.__anext__()
+        except BaseException:
+            self.cancel()
+            raise
+        return StreamingResponse(self.sse(first, events), media_type="text/event-stream")
+
+
+def create_openai_app(config: FrontConfig) -> FastAPI:
+    server = OpenAIServer(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await server.close()
+
+    app = FastAPI(title="kvforge OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError):
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, error: RequestValidationError):
+        problem = error.errors()[0]
+        param = ".".join(str(p) for p in problem["loc"][1:]) or None
+        if problem["type"] == "extra_forbidden":
+            message = f"unknown field {param}: kvforge does not read it (see README, OpenAI-compatible API)"
+        else:
+            message = f"{param}: {problem['msg']}" if param else problem["msg"]
+        return JSONResponse(APIError(400, message, param=param).body(), status_code=400)
+
+    async def authorize(request: Request) -> None:
+        if config.api_key and request.headers.get("authorization") != f"Bearer {config.api_key}":
+            raise APIError(401, "missing or wrong API key: send Authorization: Bearer <key>", code="invalid_api_key")
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models():
+        return {"object": "list", "data": [{"id": config.model, "object": "model", "created": 0, "owned_by": "kvforge"}]}
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(body: CompletionRequest, request: Request):
+        server.check_model(body)
+        refuse_unsupported(body)
+        prompts = [body.prompt] if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)) \
+            else body.prompt
+        if not prompts or len(prompts) > MAX_PROMPTS:
+            raise APIError(400, f"send 1..{MAX_PROMPTS} prompts, got {len(prompts)}", param="prompt")
+        logprobs = body.logprobs is not None
+        choices = [Choice(p * body.n + j, p, llm_inputs(prompt, body, server.max_tokens(prompt, body.max_tokens),
+                                                        seed_of(body, j), body.echo, logprobs))
+                   for p, prompt in enumerate(prompts) for j in range(body.n)]
+        return await Completion(server, "text", body, choices, logprobs).respond(request)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def chat_completions(body: ChatRequest, request: Request):
+        server.check_model(body)
+        refuse_unsupported(body)
+        if body.max_tokens is not None and body.max_completion_tokens is not None \
+                and body.max_tokens != body.max_completion_tokens:
+            raise APIError(400, "max_tokens and max_completion_tokens differ; send one", param="max_completion_tokens")
+        prompt = server.chat_prompt(body)
+        max_tokens = server.max_tokens(prompt, body.max_completion_tokens or body.max_tokens)
+        choices = [Choice(j, 0, llm_inputs(prompt, body, max_tokens, seed_of(body, j), False, body.logprobs))
+                   for j in range(body.n)]
+        return await Completion(server, "chat", body, choices, body.logprobs).respond(request)
+
+    return app
+
+
+def seed_of(body: Sampling, choice: int) -> int | None:
+    """Choice j of a seeded request uses seed + j: reproducible, and the n choices differ."""
+    return None if body.seed is None else (body.seed + choice) % 2**64

@@ -1,0 +1,43 @@
+"""Triton models `tensorrt_llm_bls` and `ensemble`: TensorRT-LLM's model names over the `llm` engine.
+
+Clients such as llama-index's NvidiaTriton default to these names. They take the inputs of
+`llm` (TensorRT-LLM's own) and forward each request to it (runtime/forwarding.py), so there is
+no second engine. As in TensorRT-LLM, a request that does not stream gets the prompt in front
+of its text unless it sets exclude_input_in_output; a streaming one gets only new text.
+"""
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from runtime.forwarding import FINAL, Forwarder, error
+from runtime.sampling import RequestError
+from runtime.triton_requests import one_value, refuse_unknown_parameters
+
+
+def send(sender, response, final) -> bool:
+    sender.send(pb_utils.InferenceResponse(output_tensors=response.output_tensors()), flags=FINAL if final else 0)
+    return final
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.name = json.loads(args["model_config"])["name"]
+        self.forwarder = Forwarder(self.name)
+
+    def execute(self, requests):
+        for request in requests:
+            try:
+                if one_value(request, "stop", False, bool):
+                    refuse_unknown_parameters(request, allowed=("Streaming",), model=self.name)
+                    self.forwarder.stop_client_request(request)
+                    continue
+                refuse_unknown_parameters(request, model=self.name)
+                inputs = request.inputs()
+                if pb_utils.get_input_tensor_by_name(request, "exclude_input_in_output") is None:
+                    echo = not one_value(request, "stream", False, bool)
+                    inputs = [*inputs, pb_utils.Tensor("exclude_input_in_output", np.array([[not echo]], np.bool_))]
+                self.forwarder.start(request, inputs, send)
+            except RequestError as e:
+                request.get_response_sender().send(error(str(e)), flags=FINAL)
+        return None

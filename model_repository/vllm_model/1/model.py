@@ -1,0 +1,129 @@
+"""Triton model `vllm_model`: the vLLM backend's convention over the `llm` engine.
+
+Its inputs and outputs are the vLLM backend's (max_batch_size 0, `text_input` [1], sampling
+options as a JSON string in `sampling_parameters` or as request parameters, string values
+coerced as vLLM does, `return_*` flags choosing the outputs), so the vLLM backend's
+samples/client.py runs unchanged. Each request is forwarded to `llm` (runtime/forwarding.py).
+As in vLLM, a request that does not stream gets the prompt in front of its text unless it sets
+exclude_input_in_output, and a streaming one cannot ask for the prompt.
+"""
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from runtime.forwarding import FINAL, Forwarder, error, tensor_value
+from runtime.sampling import RequestError, quote
+from runtime.triton_requests import one_value, request_parameters
+
+NAME = "vllm_model"
+# vLLM sampling parameter -> (llm input, numpy dtype, coercion of vLLM's string values)
+SAMPLING = {
+    "max_tokens": ("max_tokens", np.int32, int),
+    "temperature": ("temperature", np.float32, float),
+    "top_p": ("top_p", np.float32, float),
+    "top_k": ("top_k", np.int32, int),
+    "seed": ("seed", np.uint64, int),
+    "min_tokens": ("min_tokens", np.int32, int),
+    "presence_penalty": ("presence_penalty", np.float32, float),
+    "frequency_penalty": ("frequency_penalty", np.float32, float),
+    "repetition_penalty": ("repetition_penalty", np.float32, float),
+    "n": ("num_return_sequences", np.int32, int),
+}
+WORDS = {"stop": "stop_words", "bad_words": "bad_words"}  # a string or a list of strings
+VLLM_DEFAULTS = {"max_tokens": 16, "temperature": 1.0}  # vLLM's SamplingParams defaults where llm's differ
+RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_num_input_tokens",
+                "return_num_output_tokens")
+
+
+def sampling_parameters(request) -> dict:
+    """The sampling options: the `sampling_parameters` input, else the request parameters (as vLLM)."""
+    tensor = pb_utils.get_input_tensor_by_name(request, "sampling_parameters")
+    parameters = known(request_parameters(request))
+    if tensor is None:
+        return parameters
+    try:
+        options = json.loads(tensor.as_numpy().reshape(-1)[0])
+    except ValueError as e:
+        raise RequestError(f"sampling_parameters is not a JSON object: {e}") from None
+    if not isinstance(options, dict):
+        raise RequestError("sampling_parameters must be a JSON object")
+    return known(options)
+
+
+def known(options: dict) -> dict:
+    unknown = sorted(set(options) - set(SAMPLING) - set(WORDS))
+    if unknown:
+        raise RequestError(f"unknown sampling parameters {', '.join(unknown)}; {NAME} reads "
+                           f"{', '.join(sorted([*SAMPLING, *WORDS]))}")
+    return options
+
+
+def llm_inputs(request):
+    """(inputs for llm, which vLLM outputs to return, stream)."""
+    options = {**VLLM_DEFAULTS, **sampling_parameters(request)}
+    stream = one_value(request, "stream", False, bool)
+    exclude = one_value(request, "exclude_input_in_output", None, bool)
+    if stream and exclude is False:
+        raise RequestError("when streaming, exclude_input_in_output = False is not allowed (as in vLLM)")
+    echo = not stream if exclude is None else not exclude
+    prompt = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy().reshape(1, -1)
+    inputs = [pb_utils.Tensor("text_input", prompt.astype(np.object_)),
+              pb_utils.Tensor("stream", np.array([[stream]], np.bool_)),
+              pb_utils.Tensor("exclude_input_in_output", np.array([[not echo]], np.bool_))]
+    for key, value in options.items():
+        if value is None:
+            continue
+        if key in WORDS:
+            words = [value] if isinstance(value, str) else value
+            if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+                raise RequestError(f"{key} must be a string or a list of strings, got {quote(value)}")
+            if words:
+                inputs.append(pb_utils.Tensor(WORDS[key], np.array([[w.encode() for w in words]], np.object_)))
+            continue
+        name, dtype, coerce = SAMPLING[key]
+        try:
+            number = coerce(value)
+        except (TypeError, ValueError):
+            raise RequestError(f"{key} must be {'an integer' if coerce is int else 'a number'}, got {quote(value)}") from None
+        if key == "top_k" and number == -1:
+            number = 0  # vLLM's "off"
+        if key == "seed" and number < 0:
+            raise RequestError(f"seed must be >= 0, got {number}")
+        inputs.append(pb_utils.Tensor(name, np.array([[number]], dtype)))
+    returns = {flag: one_value(request, flag, False, bool) for flag in RETURN_FLAGS}
+    if returns["return_cumulative_logprob"]:
+        inputs.append(pb_utils.Tensor("return_log_probs", np.array([[True]], np.bool_)))
+    return inputs, returns
+
+
+def translate(returns):
+    def send(sender, response, final) -> bool:
+        value = lambda name: tensor_value(response, name).reshape(-1)  # noqa: E731
+        tensors = [pb_utils.Tensor("text_output", value("text_output").astype(np.object_))]
+        if returns["return_finish_reason"]:  # vLLM says "None" until the sequence finishes
+            reason = value("finish_reason")[0].decode() or "None"
+            tensors.append(pb_utils.Tensor("finish_reason", np.array([reason.encode()], np.object_)))
+        if returns["return_cumulative_logprob"]:
+            tensors.append(pb_utils.Tensor("cumulative_logprob", value("cum_log_probs").astype(np.float32)))
+        if returns["return_num_input_tokens"]:
+            tensors.append(pb_utils.Tensor("num_input_tokens", value("num_input_tokens").astype(np.uint32)))
+        if returns["return_num_output_tokens"]:
+            tensors.append(pb_utils.Tensor("num_output_tokens", value("num_output_tokens").astype(np.uint32)))
+        sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if final else 0)
+        return final
+    return send
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.forwarder = Forwarder(NAME)
+
+    def execute(self, requests):
+        for request in requests:
+            try:
+                inputs, returns = llm_inputs(request)
+                self.forwarder.start(request, inputs, translate(returns))
+            except RequestError as e:
+                request.get_response_sender().send(error(str(e)), flags=FINAL)
+        return None

@@ -1,0 +1,174 @@
+"""The OpenAI-compatible API, driven by the official `openai` client, in front of a real tritonserver."""
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from clients.api import LLMClient
+from frontend.config import FrontConfig
+from frontend.openai_api import create_openai_app, engine_dir_of
+from runtime.triton_server import free_ports
+
+PROMPT = "def fibonacci(n):"
+
+
+@contextmanager
+def serve(app):
+    """An app made here (another config than the launcher's) on a free loopback port, served by
+    uvicorn on a thread."""
+    port, = free_ports(1)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def config(triton, **fields) -> FrontConfig:
+    return FrontConfig(triton_http=triton.http_url, triton_grpc=triton.grpc_url, model_repository=triton.repo, **fields)
+
+
+@pytest.fixture(scope="module")
+def base_url(triton):
+    return triton.openai_url  # the launcher's front serves the API, as `make serve` does
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def grpc(triton):
+    return LLMClient(triton.grpc_url, "grpc")
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == ["llm"]
+
+
+def test_completions_equal_the_llm_model(client, grpc):
+    expected = grpc.generate(PROMPT, max_tokens=24)
+    got = client.completions.create(model="llm", prompt=PROMPT, max_tokens=24, temperature=0, logprobs=0)
+    choice = got.choices[0]
+    assert choice.text == expected.text and choice.finish_reason == "length"
+    assert got.id.startswith("cmpl-") and got.usage.completion_tokens == 24
+    assert got.usage.prompt_tokens > 0 and got.usage.prompt_tokens_details.cached_tokens >= 0
+    assert len(choice.logprobs.token_logprobs) == 24 and all(lp < 0 for lp in choice.logprobs.token_logprobs)
+    streamed = client.completions.create(model="llm", prompt=PROMPT, max_tokens=24, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == expected.text
+    echoed = client.completions.create(model="llm", prompt=PROMPT, max_tokens=24, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPT + expected.text
+    stop = expected.text[8:12]
+    cut = client.completions.create(model="llm", prompt=PROMPT, max_tokens=24, temperature=0, stop=stop)
+    assert cut.choices[0].text == expected.text[:expected.text.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_and_n_choices(client):
+    def run():
+        return client.completions.create(model="llm", prompt=PROMPT, max_tokens=12, temperature=1.0, seed=11, n=3)
+
+    first, again = run(), run()
+    texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
+    assert texts == [c.text for c in sorted(again.choices, key=lambda c: c.index)]
+    assert len(set(texts)) > 1 and first.usage.completion_tokens == 36  # seed, seed+1, seed+2 differ
+
+
+def test_chat_completions_render_the_chat_template(client, grpc):
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "fibonacci"}]
+    rendered = "system: You write Python.\nuser: fibonacci\nassistant:"  # the presets' template
+    expected = grpc.generate(rendered, max_tokens=16)
+    got = client.chat.completions.create(model="llm", messages=messages, max_completion_tokens=16, temperature=0,
+                                         logprobs=True)
+    assert got.choices[0].message.content == expected.text and got.choices[0].message.role == "assistant"
+    assert got.usage.completion_tokens == 16 and len(got.choices[0].logprobs.content) == 16
+    chunks = list(client.chat.completions.create(model="llm", messages=messages, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert chunks[-1].usage.total_tokens == got.usage.total_tokens
+    assert all(c.id == chunks[0].id for c in chunks) and chunks[0].id.startswith("chatcmpl-")
+
+
+@pytest.mark.parametrize("call, status, message", [
+    (dict(extra_body={"best_effort": True}), 400, "unknown field best_effort"),
+    (dict(model="gpt-4"), 404, "does not exist"),
+    (dict(max_tokens=100000), 400, "exceeds the context"),
+    (dict(top_p=2), 400, "top_p"),
+    (dict(logprobs=3), 400, "logprobs"),
+    (dict(extra_body={"top_k": -1}), 400, "top_k"),
+    (dict(prompt=""), 400, "the prompt is empty"),
+])
+def test_bad_completions_get_openai_shaped_errors(client, call, status, message):
+    with pytest.raises(openai.APIStatusError) as error:
+        client.completions.create(**{"model": "llm", "prompt": PROMPT, "max_tokens": 4, **call})
+    assert error.value.status_code == status
+    body = error.value.body
+    assert message in body["message"] and body["type"] in ("invalid_request_error",) and "param" in body
+
+
+def test_bad_chat_requests_get_openai_shaped_errors(client):
+    for call, param in [(dict(messages=[]), "messages"),
+                        (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+                        (dict(messages=[{"role": "wizard", "content": "x"}]), "messages.0.role")]:
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(**{"model": "llm", "messages": [{"role": "user", "content": "x"}],
+                                              "max_tokens": 4, **call})
+        assert error.value.body["param"] == param, error.value.body
+    assert client.completions.create(model="llm", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_api_key_is_required_when_configured(triton):
+    with serve(create_openai_app(config(triton, api_key="s3cret"))) as url:
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+        assert openai.OpenAI(base_url=url, api_key="s3cret").models.list().data[0].id == "llm"
+
+
+def test_a_model_without_chat_template_serves_completions_and_refuses_chat(triton, tmp_path):
+    # the same Triton model, described by an engine dir whose tokenizer_config.json has no template
+    engine = engine_dir_of(triton.repo, "llm")
+    plain = tmp_path / "engine"
+    plain.mkdir()
+    for name in ("manifest.json", "tokenizer.json"):
+        shutil.copy(engine / name, plain / name)
+    settings = json.loads((engine / "tokenizer_config.json").read_text())
+    settings.pop("chat_template")
+    (plain / "tokenizer_config.json").write_text(json.dumps(settings))
+    (tmp_path / "llm").mkdir()
+    (tmp_path / "llm" / "config.pbtxt").write_text(f'parameters [ {{ key: "engine_dir" value: {{ string_value: "{plain}" }} }} ]')
+    with serve(create_openai_app(FrontConfig(triton.http_url, triton.grpc_url, tmp_path))) as url:
+        plain_client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="no chat template"):
+            plain_client.chat.completions.create(model="llm", messages=[{"role": "user", "content": "x"}])
+        assert plain_client.completions.create(model="llm", prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
+
+
+def test_a_client_that_disconnects_cancels_its_triton_stream(triton, base_url):
+    from tests.test_serving import settled_metrics, wait_for_metrics
+
+    before = settled_metrics(triton)
+    body = {"model": "llm", "prompt": PROMPT, "max_tokens": 2000, "stream": True}
+    with httpx.stream("POST", f"{base_url}/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                break  # leave after the first event: the connection closes
+    after = wait_for_metrics(triton, lambda m: m["kvforge_cancelled_requests_total"]
+                             > before["kvforge_cancelled_requests_total"] and m["kvforge_running_sequences"] == 0,
+                             "the cancellation", timeout=30)
+    assert after["kvforge_generated_tokens_total"] - before["kvforge_generated_tokens_total"] < 2000
