@@ -1,7 +1,7 @@
 """python -m bench [--quick] [--out DIR]: measure what the KV cache buys, against peers, with plots.
 
 Sections (issue 5): cache vs no cache, KV layouts, KV dtypes, peers, serving through Triton,
-roofline, weight quantization; (issue 9) prefix caching; (issue 10) KV tiers. Writes DIR/bench.json, DIR/bench.md and PNG plots; a section
+roofline, prefill (issue 13), weight quantization; (issue 9) prefix caching; (issue 10) KV tiers. Writes DIR/bench.json, DIR/bench.md and PNG plots; a section
 that fails is recorded with its error, the others still run, and the exit code is 1.
 """
 from __future__ import annotations
@@ -18,14 +18,16 @@ from pathlib import Path
 from bench import common
 from bench.common import ROOT, Artifacts, SectionError, params, say
 
-SECTIONS = ("layouts", "cache", "kv_dtypes", "peers", "roofline", "weights", "serving", "prefix_cache", "kv_tiers")
+SECTIONS = ("layouts", "cache", "kv_dtypes", "peers", "roofline", "prefill", "weights", "serving", "prefix_cache",
+            "kv_tiers")
 RESULT_KEYS = {"cache": "cache_speedup"}  # the issue's name for the section's top-level key
 
 
 def prepare(p, artifacts: Artifacts, sections: set[str]) -> None:
     """Make the exports the sections need up front, two at a time (each export is mostly one
     core of tracing); the sections then find them cached."""
-    for model in {p.model, p.quality_model}:
+    peer_models = set(p.peer_models or (p.model,)) if sections & {"peers", "prefill"} else set()
+    for model in {p.model, p.quality_model} | peer_models:
         artifacts.checkpoint(model)  # materialize presets once, before any parallel export
     jobs = []
     if sections & {"layouts", "cache", "peers", "roofline", "weights", "serving", "prefix_cache"}:
@@ -36,10 +38,11 @@ def prepare(p, artifacts: Artifacts, sections: set[str]) -> None:
         jobs += [(p.quality_model, "inplace", d) for d in common.runnable_kv_dtypes()]
     if sections & {"weights", "prefix_cache", "kv_tiers"}:
         jobs.append((p.quality_model, "inplace", "fp32"))
+    jobs += [(model, "inplace", "fp32") for model in sorted(peer_models)]
     with ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(artifacts.export, *job) for job in dict.fromkeys(jobs)]
         if "peers" in sections:
-            futures.append(pool.submit(artifacts.genai, p.model))
+            futures += [pool.submit(artifacts.genai, model) for model in sorted(peer_models | {p.model})]
         for f in futures:
             f.result()
 

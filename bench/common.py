@@ -48,6 +48,11 @@ class Params:
     serving_new_tokens: int
     kv_budget_bytes: int = 1 << 30
     budget_sequence_tokens: int = 2048
+    peer_models: tuple[str, ...] = ()  # the peers' TTFT table (empty: `model` alone)
+    ttft_prompt_tokens: tuple[int, ...] = (128, 1024, 2048)
+    ttft_rounds: int = 3
+    ttft_new_tokens: int = 32
+    prefill_profile_tokens: tuple[int, ...] = (1024, 2048)  # the prefill section's profiled prompts
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -60,13 +65,15 @@ def params(quick: bool, threads: int) -> Params:
                       contexts=(32, 128), nocache_contexts={1: (32, 128), 4: (128,)}, nocache_repeats=1,
                       timed_steps=4, layout_rounds=1, prompt_tokens=16, new_tokens=8, peer_rounds=1, hf_new_tokens=8,
                       hf_nocache_new_tokens=4, dtype_contexts=(128,), eval_windows=4, greedy_prompt_tokens=16,
-                      greedy_tokens=32, concurrency=(1, 4), serving_prompt_tokens=16, serving_new_tokens=8)
+                      greedy_tokens=32, concurrency=(1, 4), serving_prompt_tokens=16, serving_new_tokens=8,
+                      ttft_prompt_tokens=(16, 64), ttft_rounds=1, ttft_new_tokens=4, prefill_profile_tokens=(64,))
     return Params(quick=False, model="small-llama", quality_model=trained, threads=threads, batches=(1, 8),
                   contexts=(128, 256, 512, 1024, 2048, 4096),
                   nocache_contexts={1: (128, 512, 2048, 4096), 8: (128, 512)}, nocache_repeats=2,
                   timed_steps=8, layout_rounds=4, prompt_tokens=128, new_tokens=64, peer_rounds=3, hf_new_tokens=32,
                   hf_nocache_new_tokens=4, dtype_contexts=(512, 2048), eval_windows=None, greedy_prompt_tokens=64,
-                  greedy_tokens=256, concurrency=(1, 4, 16, 64), serving_prompt_tokens=64, serving_new_tokens=64)
+                  greedy_tokens=256, concurrency=(1, 4, 16, 64), serving_prompt_tokens=64, serving_new_tokens=64,
+                  peer_models=("small-llama", "small-llama-32k"))
 
 
 def runnable_kv_dtypes() -> list[str]:
@@ -232,7 +239,7 @@ def generate(runner, prompts: np.ndarray, new_tokens: int) -> dict:
 
     run = Greedy(runner, prompts.tolist(), new_tokens)
     began = time.perf_counter()
-    run.prefill()
+    run.prefill(every_position=False)  # the generation path: logits of the sampled position only
     prefill = time.perf_counter() - began
     out, steps = [run.next_tokens], []
     for _ in range(new_tokens - 1):

@@ -131,8 +131,14 @@ def rate_summary(rows: int, prefill: list[float], steps: list[float]) -> dict:
 
 
 def hf_rate(model, ids: np.ndarray, new_tokens: int, use_cache: bool) -> dict:
-    """generate() timed per token: a streamer is handed each new token as soon as it exists,
-    so the gaps between its calls are the decode steps."""
+    hf_steps(model, ids, 2, use_cache)  # warm-up
+    prefill, steps = hf_steps(model, ids, new_tokens, use_cache)
+    return rate_summary(len(ids), [prefill], steps)
+
+
+def hf_steps(model, ids: np.ndarray, new_tokens: int, use_cache: bool = True) -> tuple[float, list[float]]:
+    """generate() timed per token: a streamer is handed the prompt, then each new token as soon
+    as it exists, so the first gap is the prefill (and its token) and the others decode steps."""
     import torch
     from transformers.generation.streamers import BaseStreamer
 
@@ -146,16 +152,82 @@ def hf_rate(model, ids: np.ndarray, new_tokens: int, use_cache: bool) -> dict:
         def end(self):
             pass
 
-    def timed(n: int) -> list[float]:
-        clock = Clock()
-        model.generate(torch.from_numpy(ids), attention_mask=torch.ones(ids.shape, dtype=torch.int64),
-                       max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=use_cache,
-                       pad_token_id=0, streamer=clock)
-        return list(np.diff(clock.times))  # first: prefill + first token; then one per decode step
+    clock = Clock()
+    model.generate(torch.from_numpy(ids), attention_mask=torch.ones(ids.shape, dtype=torch.int64),
+                   max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, use_cache=use_cache,
+                   pad_token_id=0, streamer=clock)
+    gaps = list(np.diff(clock.times))
+    return gaps[0], gaps[1:]
 
-    timed(2)  # warm-up
-    gaps = timed(new_tokens)
-    return rate_summary(len(ids), gaps[:1], gaps[1:])
+
+def kvforge_ttft_steps(runner, ids: np.ndarray, new_tokens: int) -> tuple[float, list[float]]:
+    """What LLMEngine does for a prompt that runs alone (bench.prefill.solo_prefill); the buffer
+    grows (untimed, once) before decoding past the prompt's bucket."""
+    from bench.prefill import solo_prefill
+
+    rows, length = ids.shape
+    began = time.perf_counter()
+    solo_prefill(runner, ids)
+    prefill = time.perf_counter() - began
+    runner.resize(runner.bucket_for(length + new_tokens), rows)
+    lengths, one, steps = np.full(rows, length, np.int64), np.ones(rows, np.int64), []
+    token = np.full(rows, 3, np.int64)  # decode speed does not depend on which token
+    for i in range(new_tokens - 1):
+        began = time.perf_counter()
+        token = runner.step(token[:, None], lengths + i, one)[:, 0].argmax(-1)
+        steps.append(time.perf_counter() - began)
+    return prefill, steps
+
+
+def spread(values: list[float], digits: int = 4) -> dict:
+    return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
+            "max": round(max(values), digits)}
+
+
+def ttft_rounds(systems: dict, vocab: int, lengths: tuple[int, ...], new_tokens: int, rounds: int) -> list[dict]:
+    """TTFT and batch-1 decode tokens/s at each prompt length: a fresh random prompt every round
+    (nothing can be reused), the systems taking turns inside each round."""
+    for fn in systems.values():
+        fn(prompts(vocab, 1, max(lengths)), 2)  # warm-up at the longest shape: arenas and kernels
+    out = []
+    for length in lengths:
+        ttft: dict[str, list[float]] = {name: [] for name in systems}
+        rate: dict[str, list[float]] = {name: [] for name in systems}
+        for r in range(rounds):
+            ids = np.random.default_rng(1000 * length + r).integers(3, vocab, (1, length)).astype(np.int64)
+            for name, fn in systems.items():
+                prefill, steps = fn(ids, new_tokens)
+                ttft[name].append(prefill)
+                rate[name].append(1 / statistics.median(steps))
+        say(f"peers TTFT: {length} prompt tokens: " + ", ".join(
+            f"{name} {statistics.median(t):.2f} s" for name, t in ttft.items()))
+        out.append({"prompt_tokens": length, "systems": {
+            name: {"ttft_s": spread(ttft[name]), "decode_tokens_per_s": spread(rate[name], 2)} for name in systems}})
+    return out
+
+
+def ttft_section(params: Params, artifacts) -> list[dict]:
+    """kvforge (in place), transformers generate() and ONNX Runtime GenAI on each peer model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from runtime.runner import open_runner
+
+    results = []
+    for model in params.peer_models or (params.model,):
+        checkpoint = artifacts.checkpoint(model)
+        runner = open_runner(artifacts.export(model, "inplace", "fp32"), params.threads)
+        hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+        genai = genai_model(artifacts.genai(model), params.threads)
+        systems = {"kvforge": lambda ids, n: kvforge_ttft_steps(runner, ids, n),
+                   "transformers": lambda ids, n: hf_steps(hf, ids, n),
+                   "onnxruntime_genai": lambda ids, n: genai_steps(genai, ids, n)}
+        say(f"peers TTFT: {checkpoint.name}, prompts {list(params.ttft_prompt_tokens)}, {params.ttft_rounds} rounds")
+        results.append({"model": checkpoint.name, "vocab_size": hf.config.vocab_size,
+                        "lengths": ttft_rounds(systems, hf.config.vocab_size, params.ttft_prompt_tokens,
+                                               params.ttft_new_tokens, params.ttft_rounds)})
+        del runner, hf, genai
+    return results
 
 
 def torch_linear_ms(hidden: int, out: int, rows: tuple[int, ...], repeats: int = 20) -> dict:
@@ -241,6 +313,16 @@ def run(params: Params, artifacts) -> dict:
         "peer_rounds": params.peer_rounds,
         "units": {"decode_tokens_per_s": "tokens/s (all rows)", "decode_tokens_per_s_mean": "tokens/s (all rows)",
                   "median_step_ms": "ms", "fastest_step_ms": "ms", "prefill_s": "s",
-                  "torch_linear_ms_by_rows": "ms per hidden x intermediate Linear, by input rows"},
+                  "torch_linear_ms_by_rows": "ms per hidden x intermediate Linear, by input rows",
+                  "ttft_s": "s", "ttft decode_tokens_per_s": "tokens/s (batch 1)"},
         "results": rows_out,
+        "ttft": ttft_section(params, artifacts),
+        "ttft_method": "batch 1, fp32, greedy, prefix caching off (a fresh random prompt every round), "
+                       f"{params.threads} threads for every system, systems taking turns in each of ttft_rounds "
+                       "rounds; TTFT = the prefill and its first token (kvforge: as LLMEngine runs a prompt "
+                       "alone, in SOLO_PREFILL_TOKENS chunks asking for the last position's logits; transformers: "
+                       "generate()'s first "
+                       "streamer gap; GenAI: append_tokens); decode tokens/s = 1 / median decode step of a round; "
+                       "median, min and max over rounds",
+        "ttft_rounds": params.ttft_rounds,
     }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from bench import kv_tiers, prefix_cache
+from bench import kv_tiers, prefill, prefix_cache
 from bench.common import write_json
 
 PLOTS = ("cache.png", "layouts.png", "serving.png", "prefix_cache.png", "kv_tiers.png")
@@ -190,7 +190,8 @@ def targets(results: dict) -> list[dict]:
             *peer_targets(results.get("peers"), results.get("roofline")), roofline_target(results.get("roofline")),
             *serving_targets(results.get("serving")), kv_dtype_target(results.get("kv_dtypes")),
             *prefix_cache.targets(results.get("prefix_cache"), target, _skipped),
-            *kv_tiers.targets(results.get("kv_tiers"), target, _skipped)]
+            *kv_tiers.targets(results.get("kv_tiers"), target, _skipped),
+            *prefill.targets(results.get("peers"), results.get("prefill"), target, _skipped)]
 
 
 # ---------------------------------------------------------------- plots
@@ -426,6 +427,8 @@ SECTION_MARKDOWN = {"cache_speedup": _md_cache, "layouts": _md_layouts, "kv_dtyp
                     "peers": _md_peers, "serving": _md_serving, "roofline": _md_roofline, "weights": _md_weights,
                     "prefix_cache": lambda section: prefix_cache.markdown(section, _table),
                     "kv_tiers": lambda section: kv_tiers.markdown(section, _table)}
+# the peers' TTFT table and the prefill profile: one renderer for two sections (bench/prefill.py)
+ISSUE_13 = ("peers", "prefill")
 
 
 def markdown(results: dict) -> str:
@@ -450,6 +453,9 @@ def markdown(results: dict) -> str:
             lines += ["", *render(section)]
         if section and not _ok(section):
             failed.append(f"- `{key}`: {section.get('error', '')}")
+    lines += ["", *prefill.markdown(*(results.get(k) if _ok(results.get(k)) else None for k in ISSUE_13), _table)]
+    if results.get("prefill") and not _ok(results["prefill"]):
+        failed.append(f"- `prefill`: {results['prefill'].get('error', '')}")
     if failed:
         lines += ["", "## Sections that failed or ran in part", "", *failed]
     lines += ["", "Plots: " + ", ".join(f"[{p}]({p})" for p in PLOTS), ""]

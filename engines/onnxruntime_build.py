@@ -55,7 +55,8 @@ def optimize(src: Path, dst: Path, threads: int) -> None:
 
 
 def parity_drift(export_dir: Path, engine_dir: Path) -> tuple[float, float]:
-    """(max abs logit difference, logit range of the export) on a fixed prefill + decode."""
+    """(max abs logit difference, logit range of the export) on a fixed prefill (every position,
+    as scoring asks) + decode."""
     from runtime.greedy import Greedy
     from runtime.runner import open_runner
 

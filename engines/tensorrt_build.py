@@ -15,7 +15,7 @@ ONNX preparation (weight precision, pinned cache capacity) and the profile arith
 - Only fp32/fp16 caches are built (manifest runs_on): KVCacheUpdate takes float32/float16/bfloat16
   caches only, so an int8/fp8 cache cannot be updated in place (TensorRT docs, operators/KVCacheUpdate).
 - One optimization profile: batch 1..max_slots, new tokens 1..max_new_tokens (tuned for decode,
-  seq 1); concat also past and total, with past + seq = total at min, opt and max so the network
+  seq 1), logit positions 1..max_new_tokens (tuned for generation's one per row); concat also past and total, with past + seq = total at min, opt and max so the network
   is consistent at the shapes TensorRT plans for; that caps the concat past at
   max_seq_len - max_new_tokens.
 - A persisted timing cache (loaded when present, saved after) makes rebuilds fast.
@@ -111,7 +111,7 @@ def profile_shapes(manifest: Manifest, max_slots: int = DEFAULT_SLOTS,
                    max_new_tokens: int = DEFAULT_NEW_TOKENS) -> dict[str, tuple[tuple, tuple, tuple]]:
     """(min, opt, max) shape of every engine input for the single optimization profile."""
     longest, new = manifest.max_seq_len, min(max_new_tokens, manifest.max_seq_len)
-    ranges = {"batch": (1, max_slots, max_slots), "seq": (1, 1, new), "capacity": (longest,) * 3,
+    ranges = {"batch": (1, max_slots, max_slots), "seq": (1, 1, new), "kept": (1, 1, new), "capacity": (longest,) * 3,
               "past": (0, longest // 2, longest - new), "total": (1, longest // 2 + 1, longest)}
     inputs, _ = manifest.io()
     return {t.name: tuple(tuple(ranges[d][i] if isinstance(d, str) else d for d in t.shape) for i in range(3))

@@ -25,6 +25,10 @@ PRESETS = {
     # ~124M parameters (hidden 1024, 8 layers, 16 heads, 4 KV heads): the benchmark model.
     "small-llama": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
                         intermediate_size=2816, vocab_size=8192, max_position_embeddings=4096),
+    # small-llama with a Llama-2-sized 32,000-token vocabulary (~156M parameters): the lm_head is
+    # a fifth of the FLOPs per token, as in Llama-2-style models.
+    "small-llama-32k": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+                            intermediate_size=2816, vocab_size=32000, max_position_embeddings=4096),
 }
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2
 TOKENIZER_CORPUS_BYTES = 4 << 20

@@ -13,7 +13,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-FORMAT_VERSION = 1
+# 2: the inplace graph takes logit_positions and returns logits only there (format 1 had every position)
+FORMAT_VERSION = 2
 MANIFEST_FILE = "manifest.json"
 MODEL_FILE = "model.onnx"
 OPSET = 24  # TensorScatter (the in-place KV write) needs opset 24
@@ -205,7 +206,10 @@ def io_tensors(spec: ModelSpec, layout: str, dtype: str) -> tuple[list[TensorSpe
     concat (Optimum-compatible): past [batch, kv_heads, past_len, D] in, present with
     past_len + seq out. inplace: one buffer [batch, kv_heads, capacity, D] per tensor, given as
     input and returned as output so a runtime binds both to the same memory; new K/V land at
-    write_positions[b] .. + seq, and attention reads write_positions[b] + seq entries."""
+    write_positions[b] .. + seq, and attention reads write_positions[b] + seq entries.
+    inplace logits cover only logit_positions [batch, kept] (indices into seq, gathered before the
+    final norm and lm_head): generation passes each row's last real position, scoring every
+    position. concat returns every position, as Optimum's contract has it."""
     check_layout_dtype(layout, dtype)
     d = kv_dtype(dtype)
     kvh, hd = spec.num_kv_heads, d.stored_head_dim(spec.head_dim)
@@ -216,10 +220,12 @@ def io_tensors(spec: ModelSpec, layout: str, dtype: str) -> tuple[list[TensorSpe
         past_len, present_len, past_prefix, present_prefix = "past", "total", "past_key_values", "present"
     else:
         inputs = [TensorSpec("input_ids", "int64", ("batch", "seq")),
-                  TensorSpec("write_positions", "int64", ("batch",))]
+                  TensorSpec("write_positions", "int64", ("batch",)),
+                  TensorSpec("logit_positions", "int64", ("batch", "kept"))]
         past_len = present_len = "capacity"
         past_prefix, present_prefix = "past_key_values", "present"
-    outputs = [TensorSpec("logits", "float32", ("batch", "seq", spec.vocab_size))]
+    logit_rows = "seq" if layout == "concat" else "kept"
+    outputs = [TensorSpec("logits", "float32", ("batch", logit_rows, spec.vocab_size))]
     for i in range(spec.num_layers):
         for prefix, length, dest in ((past_prefix, past_len, inputs), (present_prefix, present_len, outputs)):
             for name in kv_tensor_names(i, prefix, d.has_scale_tensors):
@@ -346,10 +352,11 @@ class Manifest:
         except json.JSONDecodeError as e:
             raise ManifestError(f"{path} is not valid JSON: {e}") from None
         version = d.get("format_version")
-        if not isinstance(version, int) or version > FORMAT_VERSION:
+        if not isinstance(version, int) or version != FORMAT_VERSION:
+            age = "newer" if isinstance(version, int) and version > FORMAT_VERSION else "older"
             raise ManifestError(
-                f"{path} has manifest format {version!r}, newer than this kvforge reads "
-                f"({FORMAT_VERSION}); re-export with this version or upgrade kvforge")
+                f"{path} has manifest format {version!r}, {age} than the one this kvforge reads "
+                f"({FORMAT_VERSION}); re-export with this version (`make export`) or upgrade kvforge")
         try:
             fields = {k: d[k] for k in ("kv_layout", "kv_dtype", "max_seq_len", "tokenizer",
                                         "source", "versions", "onnx_file", "opset", "engine",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.runner_api import Runner
+from runtime.runner_api import Runner, last_positions
 
 
 class Greedy:
@@ -23,10 +23,17 @@ class Greedy:
         runner.allocate(len(prompts), runner.bucket_for(min(longest + max_new_tokens, runner.manifest.max_seq_len)))
         self.last: np.ndarray | None = None  # logits of each row's newest position [rows, vocab]
 
-    def prefill(self) -> np.ndarray:
+    def prefill(self, every_position: bool = True) -> np.ndarray:
+        """Logits [rows, longest prompt, vocab]; every_position=False asks for each row's last
+        position only, as generation does ([rows, 1, vocab])."""
         ids = np.zeros((len(self.prompts), int(self.lengths.max())), np.int64)
         for r, p in enumerate(self.prompts):
             ids[r, :len(p)] = p
+        if not every_position:
+            logits = self.runner.step(ids, np.zeros(len(self.prompts), np.int64), self.lengths,
+                                      last_positions(self.lengths))
+            self.last = logits[:, 0]
+            return logits
         logits = self.runner.step(ids, np.zeros(len(self.prompts), np.int64), self.lengths)
         self.last = logits[np.arange(len(self.prompts)), self.lengths - 1]
         return logits
@@ -45,7 +52,7 @@ class Greedy:
 def greedy_tokens(runner: Runner, prompt: list[int], max_tokens: int, stop: set[int] = frozenset()) -> list[int]:
     """One sequence alone: up to max_tokens greedy tokens, ending before a stop token."""
     run = Greedy(runner, [prompt], max_tokens)
-    run.prefill()
+    run.prefill()  # every position: the reference the generation path (last position only) is checked against
     out: list[int] = []
     while len(out) < max_tokens and int(run.next_tokens[0]) not in stop:
         out.append(int(run.next_tokens[0]))

@@ -23,7 +23,7 @@ from runtime.kv_tiers import BlockCodec, DiskTier, LowerTiers, RedisTier
 from runtime.limits import DEFAULT_KV_CACHE_BYTES, Limits
 from runtime.runner import open_runner
 from runtime.sampling import RequestError, SamplingParams
-from runtime.scheduler import PREFILL_TOKENS, QueueFullError, Scheduler
+from runtime.scheduler import PREFILL_TOKENS, SOLO_PREFILL_TOKENS, QueueFullError, Scheduler
 from runtime.sequence import RequestOutput, Sequence
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -38,6 +38,7 @@ Prompt = str | list[int]
 class LLMEngine:
     def __init__(self, engine_dir: Path | str, *, slots: int | None = None, max_waiting: int | None = None,
                  kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, prefill_tokens: int = PREFILL_TOKENS,
+                 solo_prefill_tokens: int = SOLO_PREFILL_TOKENS,
                  threads: int | None = None, prefix_cache: bool = True, kv_host_bytes: int | None = None,
                  kv_disk_dir: Path | str | None = None, kv_disk_bytes: int = DEFAULT_KV_DISK_BYTES,
                  kv_redis_url: str | None = None, kv_redis_ttl: int | None = None, admission: str = "optimistic"):
@@ -75,7 +76,8 @@ class LLMEngine:
                                     wake=self._wake)
         self.kv = KVManager(self.runner, self.limits.slots, self.limits.kv_cache_bytes, pool, namespace, self.tiers,
                             optimistic=admission == "optimistic")
-        self.scheduler = Scheduler(self.runner, self.kv, self.limits.max_waiting, prefill_tokens)
+        self.scheduler = Scheduler(self.runner, self.kv, self.limits.max_waiting, prefill_tokens,
+                                   solo_prefill_tokens)
         self._ids = itertools.count(1)
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="kvforge-engine", daemon=True)

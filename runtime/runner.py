@@ -60,16 +60,17 @@ class OrtInplaceRunner(_OrtRunner):
         self.buffers = {past: np.zeros(self._buffer_shape(past, slots, capacity), self.dtypes[past])
                         for past, _ in self.pairs}
 
-    def step(self, input_ids, write_positions, num_new):
+    def step(self, input_ids, write_positions, num_new, logit_positions=None):
         from onnxruntime import OrtValue
 
         input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)
         write_positions = np.ascontiguousarray(write_positions, dtype=np.int64)
-        self.check_step(input_ids, write_positions, np.asarray(num_new))
+        positions = self.check_step(input_ids, write_positions, np.asarray(num_new), logit_positions)
         rows = input_ids.shape[0]
         binding = self.session.io_binding()
         binding.bind_cpu_input("input_ids", input_ids)
         binding.bind_cpu_input("write_positions", write_positions)
+        binding.bind_cpu_input("logit_positions", positions)
         binding.bind_output("logits")
         for past, present in self.pairs:
             # rows 0..rows-1 of a C-contiguous buffer are one contiguous block: a view, not a copy.
@@ -136,18 +137,25 @@ class OrtConcatRunner(_OrtRunner):
     def kv_arrays(self) -> dict[str, np.ndarray]:
         return self.past
 
-    def check_step(self, input_ids, write_positions, num_new):
+    def check_step(self, input_ids, write_positions, num_new, logit_positions=None):
         if input_ids.shape[0] != self.slots:  # the past is one rectangle: every row steps together
             raise ValueError(f"the concat runner steps all {self.slots} rows at once, got {input_ids.shape[0]}")
         if self.mask.shape[1] + input_ids.shape[1] > self.capacity:
             raise ValueError(f"concat cache would grow past its capacity {self.capacity}; resize first")
-        super().check_step(input_ids, write_positions, num_new)
+        return super().check_step(input_ids, write_positions, num_new, logit_positions)
 
-    def step(self, input_ids, write_positions, num_new):
+    def step(self, input_ids, write_positions, num_new, logit_positions=None):
+        """The Optimum contract returns every position; the wanted ones are picked afterwards."""
         input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)
         write_positions = np.asarray(write_positions, dtype=np.int64)
         num_new = np.asarray(num_new, dtype=np.int64)
-        self.check_step(input_ids, write_positions, num_new)
+        positions = self.check_step(input_ids, write_positions, num_new, logit_positions)
+        logits = self._step_all(input_ids, write_positions, num_new)
+        if logit_positions is None:
+            return logits
+        return np.take_along_axis(logits, positions[:, :, None], axis=1)
+
+    def _step_all(self, input_ids, write_positions, num_new):
         rows, seq = input_ids.shape
         self.mask[:rows][write_positions == 0] = 0  # a row starting over forgets its old tokens
         new_mask = (np.arange(seq)[None, :] < num_new[:, None]).astype(np.int64)

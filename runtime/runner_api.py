@@ -60,10 +60,13 @@ class Runner(ABC):
         self.allocate(slots, capacity)
 
     @abstractmethod
-    def step(self, input_ids: np.ndarray, write_positions: np.ndarray, num_new: np.ndarray) -> np.ndarray:
+    def step(self, input_ids: np.ndarray, write_positions: np.ndarray, num_new: np.ndarray,
+             logit_positions: np.ndarray | None = None) -> np.ndarray:
         """Run rows 0..len(input_ids)-1: input_ids [rows, S] (right-padded), write_positions [rows]
-        (tokens already cached per row), num_new [rows] (real tokens per row, <= S).
-        Returns logits [rows, S, vocab] float32; row b's cache now holds write_positions[b] + num_new[b]."""
+        (tokens already cached per row), num_new [rows] (real tokens per row, <= S), logit_positions
+        [rows, K] (indices into S whose logits are wanted; None = all S, as scoring needs;
+        generation passes last_positions(num_new)). Returns logits [rows, K, vocab] float32;
+        row b's cache now holds write_positions[b] + num_new[b]."""
 
     @abstractmethod
     def move(self, src: int, dst: int, length: int) -> None:
@@ -95,7 +98,9 @@ class Runner(ABC):
     def bucket_for(self, tokens: int) -> int:
         return capacity_bucket(tokens, self.manifest.max_seq_len)
 
-    def check_step(self, input_ids: np.ndarray, write_positions: np.ndarray, num_new: np.ndarray) -> None:
+    def check_step(self, input_ids: np.ndarray, write_positions: np.ndarray, num_new: np.ndarray,
+                   logit_positions: np.ndarray | None = None) -> np.ndarray:
+        """Refuse a step that does not fit; returns logit_positions as int64 [rows, K] (None: all)."""
         rows, seq = input_ids.shape
         if rows > self.slots:
             raise ValueError(f"{rows} rows exceed the {self.slots} allocated slots")
@@ -104,6 +109,14 @@ class Runner(ABC):
         needed = int((write_positions + seq).max())
         if needed > self.capacity:
             raise ValueError(f"step needs {needed} cache positions but capacity is {self.capacity}; resize first")
+        if logit_positions is None:
+            return all_positions(rows, seq)
+        positions = np.ascontiguousarray(logit_positions, dtype=np.int64)
+        if positions.ndim != 2 or positions.shape[0] != rows or positions.shape[1] == 0:
+            raise ValueError(f"logit_positions must be [rows={rows}, K >= 1], got shape {positions.shape}")
+        if positions.min() < 0 or positions.max() >= seq:
+            raise ValueError(f"logit_positions must index the step's {seq} positions (0..{seq - 1})")
+        return positions
 
     def block_range(self, start: int, n: int) -> tuple[int, int]:
         """Token positions [lo, hi) of blocks start..start+n-1 that lie inside the capacity."""
@@ -112,6 +125,16 @@ class Runner(ABC):
         if lo > self.capacity:
             raise ValueError(f"block {start} starts past the capacity {self.capacity}")
         return lo, min((start + n) * tokens, self.capacity)
+
+
+def last_positions(num_new: np.ndarray) -> np.ndarray:
+    """The logit_positions generation samples: each row's last real position, [rows, 1]."""
+    return (np.asarray(num_new, np.int64) - 1)[:, None]
+
+
+def all_positions(rows: int, seq: int) -> np.ndarray:
+    """The logit_positions scoring needs: every position of every row, [rows, seq]."""
+    return np.ascontiguousarray(np.broadcast_to(np.arange(seq, dtype=np.int64), (rows, seq)))
 
 
 def as_blocks(tokens_major: np.ndarray, n: int, block_tokens: int) -> np.ndarray:

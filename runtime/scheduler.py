@@ -12,7 +12,23 @@ at S=16 cost 294 ms mixed vs 108 ms as a prefill step plus a decode step, while 
 at S=16 cost 85 ms mixed vs 106 ms separately (a step re-reads all weights, worth ~16 tokens
 of compute). New sequences are placed in front of decoding rows so a prefill step covers a
 short prefix of rows; prefill steps alternate with decode steps and are chunked to
-`prefill_tokens`, so a long prompt delays running sequences by one chunk at most.
+`prefill_tokens`, so a long prompt delays running sequences by one chunk at most. When no row
+is decoding, prompts go in chunks of `solo_prefill_tokens` instead: nobody waits on the chunk.
+
+Chunk size, measured with `python -m bench.prefill EXPORT --rounds 2` on small-llama-32k, fp32,
+2 threads, a fresh prompt per round (medians; the 2 cores were shared with four other jobs,
+load 8-9, so absolute times are ~4x an idle machine's; the ratios are what the constants use):
+
+    chunk tokens               128    256    512   1024   2048
+    1K prompt alone, TTFT s   8.24   8.04   7.63   7.41      -
+    2K prompt alone, TTFT s  19.91  16.05  14.20  15.02  17.22
+    2K prompt with 1 decoding row:
+      TTFT s                 21.61  18.58  16.22  15.06  16.40
+      longest decode gap s    1.78   2.85   4.74   7.67  16.27
+
+Alone, chunks help up to 512 tokens (attention costs follow the capacity bucket, so a chunk in a
+small bucket is cheaper than the whole prompt in the big one) and cost little beyond that; with
+others decoding, their longest gap grows with the chunk, so they keep 256-token chunks.
 """
 from __future__ import annotations
 
@@ -22,12 +38,13 @@ from collections import deque
 import numpy as np
 
 from runtime.kv_manager import KVManager
-from runtime.runner_api import Batch, Runner
+from runtime.runner_api import Batch, Runner, last_positions
 from runtime.sampling import RequestError
 from runtime.sequence import RequestOutput, Sequence, Status
 
 MIX_PADDING_TOKENS = 16
 PREFILL_TOKENS = 256
+SOLO_PREFILL_TOKENS = 512
 # A request loading its prefix from disk / Redis waits at most as long as recomputing it is
 # estimated to take (from the measured prefill rate), but never less than this (thread hand-offs);
 # before any prefill was measured, up to the longer bound.
@@ -42,11 +59,12 @@ class Scheduler:
     """Not thread-safe: the engine serializes calls (schedule and postprocess under its lock)."""
 
     def __init__(self, runner: Runner, kv: KVManager, max_waiting: int,
-                 prefill_tokens: int = PREFILL_TOKENS):
+                 prefill_tokens: int = PREFILL_TOKENS, solo_prefill_tokens: int = SOLO_PREFILL_TOKENS):
         self.runner = runner
         self.kv = kv
         self.max_waiting = max_waiting
-        self.prefill_tokens = prefill_tokens
+        self.prefill_tokens = prefill_tokens  # per prefill step while other sequences decode
+        self.solo_prefill_tokens = max(prefill_tokens, solo_prefill_tokens)  # when none does
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[int, Sequence] = {}
@@ -187,7 +205,8 @@ class Scheduler:
         if prefill_rows == 0:
             kind, rows, width = "decode", len(pending), 1
         else:
-            width = min(max(pending[:prefill_rows]), max(1, self.prefill_tokens // prefill_rows))
+            budget = self.prefill_tokens if 1 in pending else self.solo_prefill_tokens
+            width = min(max(pending[:prefill_rows]), max(1, budget // prefill_rows))
             waste = sum(width - min(p, width) for p in pending)
             if waste <= MIX_PADDING_TOKENS:
                 kind, rows = "mixed" if 1 in pending else "prefill", len(pending)
@@ -206,7 +225,8 @@ class Scheduler:
         """The only call the engine makes without its lock: it touches nothing but the runner
         (and the measured prefill rate, one float)."""
         began = time.perf_counter()
-        logits = self.runner.step(batch.input_ids, batch.write_positions, batch.num_new)
+        logits = self.runner.step(batch.input_ids, batch.write_positions, batch.num_new,
+                                  last_positions(batch.num_new))
         if batch.kind == "prefill":
             rate = int(batch.num_new.sum()) / max(time.perf_counter() - began, 1e-6)
             old = self.prefill_tokens_per_second
@@ -227,7 +247,8 @@ class Scheduler:
             if seq.pending:
                 continue  # a prompt chunk: nothing to sample yet
             self.counters["generated_tokens"] += 1
-            outputs.append((seq, seq.append(*seq.choose(logits[b, batch.num_new[b] - 1]))))
+            # logits[b, 0]: its last real position, the only one execute() asks for
+            outputs.append((seq, seq.append(*seq.choose(logits[b, 0]))))
         self._drop_finished()
         return outputs
 

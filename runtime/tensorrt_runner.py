@@ -93,21 +93,22 @@ class TensorRTRunner(Runner):
         self.context.set_input_shape(name, array.shape)
         self.context.set_tensor_address(name, ptr)
 
-    def step(self, input_ids, write_positions, num_new):
+    def step(self, input_ids, write_positions, num_new, logit_positions=None):
         input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)
         write_positions = np.ascontiguousarray(write_positions, dtype=np.int64)
-        self.check_step(input_ids, write_positions, np.asarray(num_new))
+        positions = self.check_step(input_ids, write_positions, np.asarray(num_new), logit_positions)
         rows, seq = input_ids.shape
         if seq > self.max_seq:
             raise ValueError(f"{seq} new tokens in one step exceed the plan's profile (max {self.max_seq})")
         self._upload("input_ids", input_ids)
         self._upload("write_positions", write_positions)
+        self._upload("logit_positions", positions)
         for past, present in self.pairs:
             ptr = self.buffers[past][0]
             self.context.set_input_shape(past, self._shape(past, rows))
             self.context.set_tensor_address(past, ptr)
             self.context.set_tensor_address(present, ptr)  # the same memory: updated in place
-        logits = np.empty((rows, seq, self.manifest.model.vocab_size), np.float32)
+        logits = np.empty((rows, positions.shape[1], self.manifest.model.vocab_size), np.float32)
         out = self._device("logits", logits.nbytes)
         self.context.set_tensor_address("logits", out)
         if not self.context.execute_async_v3(int(self.stream)):

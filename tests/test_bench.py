@@ -161,3 +161,20 @@ def test_plots_and_targets_table(quick_run):
         assert t["target"] in md
     assert "[bench" in run.stderr  # progress is shown while it runs
 
+
+
+def test_prefill_and_ttft_structure(quick_run):
+    """Issue 13: the peers' TTFT table for each system and the prefill profile against its roofline."""
+    _, results, _ = quick_run
+    lengths = results["peers"]["ttft"][0]["lengths"]
+    assert [r["prompt_tokens"] for r in lengths] == list(results["meta"]["params"]["ttft_prompt_tokens"])
+    for r in lengths:
+        assert set(r["systems"]) == {"kvforge", "transformers", "onnxruntime_genai"}
+        assert all({"median", "min", "max"} <= s["ttft_s"].keys() for s in r["systems"].values())
+    section = results["prefill"]
+    assert section["status"] == "ok"
+    for profile in section["models"][0]["profiles"]:
+        assert set(profile["percent"]) == {"matmul", "lm_head_matmul", "attention", "other"}
+        assert profile["roofline"]["bound_s"] > 0 and profile["roofline"]["shapes"]
+    assert section["models"][0]["scoring_step"]["lm_head_s"] > 0
+    assert any(t["target"].startswith("TTFT <=") for t in results["targets"])

@@ -88,6 +88,7 @@ def _step_logging_inplace_warnings(directory, capfd, alias: bool):
     binding = r.session.io_binding()  # control: present bound to a different buffer
     binding.bind_cpu_input("input_ids", np.array([[7], [8]]))
     binding.bind_cpu_input("write_positions", np.array([0, 0]))
+    binding.bind_cpu_input("logit_positions", np.array([[0], [0]]))
     binding.bind_output("logits")
     for past, present in r.pairs:
         binding.bind_ortvalue_input(past, OrtValue.ortvalue_from_numpy(r.buffers[past]))

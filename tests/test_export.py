@@ -52,7 +52,7 @@ def test_inplace_graph_uses_tensorscatter_and_attention(exports):
     ops = [n.op_type for n in model.graph.node]
     assert ops.count("TensorScatter") == 2 * 2 and ops.count("Attention") == 2  # K and V per layer, 2 layers
     assert model.opset_import[0].version == 24
-    dims = [d.dim_param for d in model.graph.input[2].type.tensor_type.shape.dim]
+    dims = [d.dim_param for d in model.graph.input[3].type.tensor_type.shape.dim]  # after logit_positions
     assert dims[0] == "batch" and dims[2] == "capacity"
 
 

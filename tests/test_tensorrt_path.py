@@ -120,6 +120,7 @@ def test_profiles_cover_slots_new_tokens_and_the_pinned_capacity(exports):
     shapes = profile_shapes(manifest, max_slots=4, max_new_tokens=16)
     assert shapes["input_ids"] == ((1, 1), (4, 1), (4, 16))
     assert shapes["write_positions"] == ((1,), (4,), (4,))
+    assert shapes["logit_positions"] == ((1, 1), (4, 1), (4, 16))  # tuned for generation's one per row
     assert shapes["past_key_values.0.key"] == ((1, kvh, cap, hd), (4, kvh, cap, hd), (4, kvh, cap, hd))
     concat = profile_shapes(Manifest(**{**manifest.__dict__, "kv_layout": "concat"}), 4, 16)
     for corner in range(3):  # the network must be consistent at min, opt and max

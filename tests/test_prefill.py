@@ -1,0 +1,116 @@
+"""Logits only where generation samples them: the inplace graph projects logit_positions alone,
+and the generation path's outputs are those of the every-position graph (issue #13)."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from kvforge.manifest import Manifest
+from runtime.runner import open_runner
+from runtime.runner_api import last_positions
+
+LENGTHS = (37, 5, 64, 1)  # right-padded rows of different lengths, one of a single token
+CHUNK = 24  # prompts go in chunks, so a chunk's last real position differs per row
+
+
+def generation_vs_every_position(directory, steps: int = 12) -> tuple[float, list[int], list[int]]:
+    """Chunked prefill then greedy decode, twice in lockstep: one runner asks for each row's last
+    real position, the other for every position (indexing the sampled one afterwards).
+    Returns (max abs diff of the sampled logits, greedy tokens of each)."""
+    fast, full = open_runner(directory), open_runner(directory)
+    rows, rng = len(LENGTHS), np.random.default_rng(3)
+    vocab = fast.manifest.model.vocab_size
+    prompts = [rng.integers(3, vocab, n) for n in LENGTHS]
+    for r in (fast, full):
+        r.allocate(rows, r.bucket_for(max(LENGTHS) + steps))
+    cached, worst = np.zeros(rows, np.int64), 0.0
+    last = {"fast": np.zeros(rows, np.int64), "full": np.zeros(rows, np.int64)}
+    tokens = {"fast": [], "full": []}
+    while (pending := np.array(LENGTHS) - cached).max() > 0:
+        # a row whose prompt is in re-feeds its last token at its end (overwritten by decode)
+        num_new = np.clip(pending, 1, CHUNK)
+        starts = np.where(pending > 0, cached, cached - 1)
+        ids = np.zeros((rows, int(num_new.max())), np.int64)
+        for b, p in enumerate(prompts):
+            ids[b, :num_new[b]] = p[starts[b]:starts[b] + num_new[b]]
+        sampled = fast.step(ids, starts, num_new, last_positions(num_new))[:, 0]
+        every = full.step(ids, starts, num_new)[np.arange(rows), num_new - 1]
+        worst = max(worst, float(np.abs(sampled - every).max()))
+        ending = (pending > 0) & (pending <= CHUNK)
+        last["fast"][ending], last["full"][ending] = sampled[ending].argmax(-1), every[ending].argmax(-1)
+        cached = starts + num_new
+    positions = cached.copy()
+    for _ in range(steps):
+        ones = np.ones(rows, np.int64)
+        a = fast.step(last["fast"][:, None], positions, ones, last_positions(ones))[:, 0]
+        b = full.step(last["full"][:, None], positions, ones)[:, 0]
+        worst = max(worst, float(np.abs(a - b).max()))
+        tokens["fast"].append(last["fast"].tolist())
+        tokens["full"].append(last["full"].tolist())
+        last = {"fast": a.argmax(-1), "full": b.argmax(-1)}
+        positions = positions + 1
+    return worst, tokens["fast"], tokens["full"]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_sampled_logits_equal_the_every_position_graph(exports, dtype):
+    worst, fast, full = generation_vs_every_position(exports("inplace", dtype))
+    assert worst <= 1e-5
+    assert fast == full
+
+
+def test_inplace_graph_projects_only_the_asked_positions(exports):
+    directory = exports("inplace", "fp32")
+    manifest = Manifest.load(directory)
+    runner = open_runner(directory)
+    runner.allocate(2, 64)
+    ids = np.arange(3, 3 + 20, dtype=np.int64).reshape(2, 10)
+    out = runner.step(ids, np.zeros(2, np.int64), np.array([10, 7]), np.array([[9, 0, 4], [6, 6, 1]]))
+    assert out.shape == (2, 3, manifest.model.vocab_size)
+    graph = onnx.load(str(directory / "model.onnx"), load_external_data=False).graph
+    assert [i.name for i in graph.input[:3]] == ["input_ids", "write_positions", "logit_positions"]
+    assert [d.dim_param for d in graph.output[0].type.tensor_type.shape.dim[:2]] == ["batch", "kept"]
+    # the lm_head MatMul reads the gathered hidden states, not every position
+    gathered = {n.output[0] for n in graph.node if n.op_type == "GatherElements"}
+    assert gathered, "no GatherElements before the lm_head"
+    for bad, message in (([[10], [0]], "0..9"), ([[-1], [0]], "0..9"), ([[0]], r"\[rows=2")):
+        with pytest.raises(ValueError, match=message):
+            runner.step(ids, np.zeros(2, np.int64), np.array([10, 7]), np.array(bad))
+
+
+def test_concat_export_keeps_the_optimum_contract(exports):
+    """The concat layout's inputs and outputs are unchanged: every position's logits, no new input;
+    its runner picks the asked positions afterwards."""
+    directory = exports("concat", "fp32")
+    graph = onnx.load(str(directory / "model.onnx"), load_external_data=False).graph
+    assert [i.name for i in graph.input[:4]] == ["input_ids", "attention_mask", "position_ids",
+                                                  "past_key_values.0.key"]
+    assert [d.dim_param for d in graph.output[0].type.tensor_type.shape.dim[:2]] == ["batch", "seq"]
+    worst, fast, full = generation_vs_every_position(directory, steps=4)
+    assert worst == 0.0 and fast == full
+
+
+def test_eager_model_gathers_like_the_export(exports):
+    """export/model.py eagerly: the inplace model's logits at logit_positions equal the concat
+    model's logits at those positions (the parity path the exporter is checked against)."""
+    import torch
+
+    from export import checkpoint
+    from export.__main__ import resolve_model
+    from kvforge.manifest import KV_DTYPES
+
+    source = resolve_model("tiny-llama")
+    _, inplace = checkpoint.load_model(source, "inplace", KV_DTYPES["fp32"])
+    _, concat = checkpoint.load_model(source, "concat", KV_DTYPES["fp32"])
+    spec = inplace.spec
+    ids = torch.randint(3, spec.vocab_size, (2, 9))
+    positions = torch.tensor([[8], [3]])
+    with torch.no_grad():
+        buffers = [torch.zeros(2, spec.num_kv_heads, 16, spec.head_dim)] * (2 * spec.num_layers)
+        kept = inplace.eval()(ids, torch.zeros(2, dtype=torch.int64), positions, *buffers)[0]
+        empty = [torch.zeros(2, spec.num_kv_heads, 0, spec.head_dim)] * (2 * spec.num_layers)
+        every = concat.eval()(ids, torch.ones_like(ids), torch.arange(9).repeat(2, 1), *empty)[0]
+    assert kept.shape == (2, 1, spec.vocab_size)
+    torch.testing.assert_close(kept, torch.gather(every, 1, positions[:, :, None].expand(-1, -1, spec.vocab_size)),
+                               atol=1e-5, rtol=0)
