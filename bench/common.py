@@ -340,5 +340,17 @@ def library_versions() -> dict:
     return out
 
 
+def finish_figure(plt, fig, path: Path, section: dict | None, name: str, axes: list) -> None:
+    """Save a section's figure; a section that did not run gets a figure saying why, not empty axes."""
+    if not (section and section.get("status") == "ok"):
+        axes[0].text(0.5, 0.5, f"{name} section did not run: {(section or {}).get('error', '')[:200]}",
+                     ha="center", va="center", wrap=True, transform=axes[0].transAxes)
+        for ax in axes:
+            ax.set_axis_off()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_json(path: Path, data) -> None:
     path.write_text(json.dumps(data, indent=2, default=float) + "\n")

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import Params, say
+from bench.common import Params, finish_figure, say
 from bench.prefix_cache import Texts, engine_request, section_engine, spread
 
 
@@ -364,14 +364,7 @@ def plot(plt, section: dict | None, path) -> None:
         ax.set(xlabel="prompt tokens", ylabel="TTFT (ms, median)", yscale="log", title="TTFT by the tier the KV comes from")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    else:
-        ax.text(0.5, 0.5, f"kv_tiers section did not run: {(section or {}).get('error', '')[:200]}",
-                ha="center", va="center", wrap=True, transform=ax.transAxes)
-        ax.set_axis_off()
-        right.set_axis_off()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish_figure(plt, fig, path, section, "kv_tiers", [ax, right])
 
 
 def markdown(section: dict, table) -> list[str]:

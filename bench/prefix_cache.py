@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bench.common import Params, run_module, say
+from bench.common import Params, finish_figure, run_module, say
 
 
 @dataclass(frozen=True)
@@ -367,14 +367,7 @@ def plot(plt, section: dict | None, path) -> None:
         for ax in (left, right):
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=7)
-    else:
-        left.text(0.5, 0.5, f"prefix_cache section did not run: {(section or {}).get('error', '')[:200]}",
-                  ha="center", va="center", wrap=True, transform=left.transAxes)
-        left.set_axis_off()
-        right.set_axis_off()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish_figure(plt, fig, path, section, "prefix_cache", [left, right])
 
 
 def markdown(section: dict, table) -> list[str]:
