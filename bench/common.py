@@ -340,9 +340,13 @@ def library_versions() -> dict:
     return out
 
 
+def section_ran(section: dict | None) -> bool:
+    return bool(section) and section.get("status") == "ok"
+
+
 def finish_figure(plt, fig, path: Path, section: dict | None, name: str, axes: list) -> None:
     """Save a section's figure; a section that did not run gets a figure saying why, not empty axes."""
-    if not (section and section.get("status") == "ok"):
+    if not section_ran(section):
         axes[0].text(0.5, 0.5, f"{name} section did not run: {(section or {}).get('error', '')[:200]}",
                      ha="center", va="center", wrap=True, transform=axes[0].transAxes)
         for ax in axes:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import Params, finish_figure, say
+from bench.common import Params, finish_figure, section_ran, say
 from bench.prefix_cache import Texts, engine_request, section_engine, spread
 
 
@@ -310,7 +310,7 @@ def targets(section: dict | None, target, skipped) -> list[dict]:
              "KV tiers: a tier hit never slower than recomputing",
              "KV tiers: a Redis kill mid-benchmark loses no request",
              "KV tiers: swap-based admission >= 2x the concurrent sequences of reservation")
-    if not section or section.get("status") != "ok":
+    if not section_ran(section):
         return [skipped(n, "", "kv_tiers section did not run") for n in names]
     rows = []
     long = [p for p in section["points"] if p["context"] >= 2048]
@@ -347,7 +347,7 @@ def targets(section: dict | None, target, skipped) -> list[dict]:
 
 def plot(plt, section: dict | None, path) -> None:
     fig, (ax, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    if section and section.get("status") == "ok":
+    if section_ran(section):
         docs = section["long_documents"]
         names = list(docs["runs"])
         at = np.arange(len(names))

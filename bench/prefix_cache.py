@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bench.common import Params, finish_figure, run_module, say
+from bench.common import Params, finish_figure, section_ran, run_module, say
 
 
 @dataclass(frozen=True)
@@ -314,7 +314,7 @@ def targets(section: dict | None, target, skipped) -> list[dict]:
              "Prefix cache: shared-document throughput >= 5x",
              "Prefix cache: no-hit decode overhead <= 2%",
              "Prefix cache: copy-in of a 2K-token prefix <= 2% of its prefill")
-    if not section or section.get("status") != "ok":
+    if not section_ran(section):
         return [skipped(n, "", "prefix_cache section did not run") for n in names]
     rows = []
     long = [p for p in section["repeated_prompt"]["in_process"] if p["context"] >= 2048]
@@ -350,7 +350,7 @@ def targets(section: dict | None, target, skipped) -> list[dict]:
 
 def plot(plt, section: dict | None, path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
-    if section and section.get("status") == "ok":
+    if section_ran(section):
         for color, mode in enumerate(("in_process", "triton")):
             points = section["repeated_prompt"][mode]
             x = [p["context"] for p in points]

@@ -6,14 +6,10 @@ import math
 from pathlib import Path
 
 from bench import kv_tiers, prefill, prefix_cache
-from bench.common import write_json
+from bench.common import finish_figure, section_ran, write_json
 
 PLOTS = ("cache.png", "layouts.png", "serving.png", "prefix_cache.png", "kv_tiers.png")
 NOT_EVALUATED = None
-
-
-def _ok(section: dict | None) -> bool:
-    return bool(section) and section.get("status") == "ok"
 
 
 def target(name: str, required: str, measured: str, met: bool | None, detail: str) -> dict:
@@ -26,7 +22,7 @@ def _skipped(name: str, required: str, why: str) -> dict:
 
 def cache_target(cache: dict) -> dict:
     name, required = "KV cache speedup at 2,048 tokens of context (batch 1)", ">= 100x"
-    if not _ok(cache):
+    if not section_ran(cache):
         return _skipped(name, required, "cache section did not run")
     head = cache["headline"]
     measured = f"{head['speedup']:.1f}x ({head['no_cache_ms']:.1f} ms vs {head['cache_ms']:.2f} ms per token)"
@@ -44,7 +40,7 @@ def layout_targets(layouts: dict) -> list[dict]:
     names = ("In-place step time <= concat at every context (capacity = bucket that fits)",
              "In-place step time <= concat at every context (worst case: context just past a bucket boundary)",
              "In-place bytes copied per step = O(new tokens)")
-    if not _ok(layouts):
+    if not section_ran(layouts):
         return [_skipped(n, "", "layouts section did not run") for n in names]
     from bench.layouts import step_ms
 
@@ -89,7 +85,7 @@ def layout_targets(layouts: dict) -> list[dict]:
 
 def peer_targets(peers: dict, roofline: dict | None) -> list[dict]:
     names = ("Batch-1 decode >= ONNX Runtime GenAI", "Batch-1 decode >= 3x Hugging Face transformers (cache on)")
-    if not _ok(peers):
+    if not section_ran(peers):
         return [_skipped(n, "", "peers section did not run") for n in names]
     systems = next(r["systems"] for r in peers["results"] if r["batch"] == 1)
     ours = systems["kvforge_inplace"]["decode_tokens_per_s"]
@@ -118,7 +114,7 @@ def peer_targets(peers: dict, roofline: dict | None) -> list[dict]:
 def bound_note(systems: dict, roofline: dict | None) -> str:
     """How far any batch-1 decode could outrun transformers: at best it reads the weights at the
     machine's bandwidth."""
-    if not _ok(roofline):
+    if not section_ran(roofline):
         return ""
     bound = roofline["points"][0]["bound_ms"]
     hf = systems["hf_generate_cache"]["median_step_ms"]
@@ -128,7 +124,7 @@ def bound_note(systems: dict, roofline: dict | None) -> str:
 
 def roofline_target(roofline: dict) -> dict:
     name, required = "Batch-1 decode as a share of the memory-bandwidth roofline", ">= 80%"
-    if not _ok(roofline):
+    if not section_ran(roofline):
         return _skipped(name, required, "roofline section did not run")
     head = roofline["headline"]
     met = head["percent_of_roofline"] >= 80
@@ -140,7 +136,7 @@ def roofline_target(roofline: dict) -> dict:
 
 def serving_targets(serving: dict) -> list[dict]:
     names = ("Aggregate tokens/s at concurrency 16 >= 4x concurrency 1 (Triton)", "Triton overhead vs in-process")
-    if not _ok(serving):
+    if not section_ran(serving):
         return [_skipped(names[0], ">= 4x", "serving section did not run"),
                 _skipped(names[1], "<= 10%", "serving section did not run")]
     by_c = {r["concurrency"]: r for r in serving["triton"]}
@@ -167,7 +163,7 @@ def kv_dtype_target(kv: dict) -> dict:
     """Judged on int8-static (calibrated scales in the graph: nothing stored beside the cache);
     the per-token int8 cache, which needs no calibration, is quoted beside it."""
     name, required = "int8 KV: half the bytes of fp16, perplexity within 1% of fp32", "<= 0.50x fp16 bytes, <= 1%"
-    if not _ok(kv):
+    if not section_ran(kv):
         return _skipped(name, required, "kv_dtypes section did not run")
 
     def figures(dtype: str) -> tuple[float, float]:
@@ -209,27 +205,20 @@ def _panels(plt, path: Path, section: dict | None, what: str, draw, count: int =
     """A figure of `count` panels drawn by draw(*axes), or the reason the section has no data."""
     fig, axes = plt.subplots(1, count, figsize=(5.5 * count, 4.5), squeeze=False)
     axes = list(axes[0])
-    if _ok(section):
+    if section_ran(section):
         draw(*axes)
         for ax in axes:
             ax.set_xscale("log", base=2)
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7)
-    else:
-        axes[0].text(0.5, 0.5, f"{what} section did not run: {(section or {}).get('error', '')[:200]}",
-                     ha="center", va="center", wrap=True, transform=axes[0].transAxes)
-        for ax in axes:
-            ax.set_axis_off()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish_figure(plt, fig, path, section, what, axes)
 
 
 def plot_cache(plt, cache: dict, layouts: dict | None, path: Path) -> None:
     def draw(ax):
         for color, curve in enumerate(cache["curves"]):
             b = curve["batch"]
-            if _ok(layouts):  # the dense cached curve; the cache section samples only where it recomputes
+            if section_ran(layouts):  # the dense cached curve; the cache section samples only where it recomputes
                 from bench.layouts import step_ms
 
                 cached = sorted(step_ms(layouts, "inplace", b).items())
@@ -449,12 +438,12 @@ def markdown(results: dict) -> str:
     failed = []
     for key, render in SECTION_MARKDOWN.items():
         section = results.get(key)
-        if _ok(section) or (section or {}).get("partial"):
+        if section_ran(section) or (section or {}).get("partial"):
             lines += ["", *render(section)]
-        if section and not _ok(section):
+        if section and not section_ran(section):
             failed.append(f"- `{key}`: {section.get('error', '')}")
-    lines += ["", *prefill.markdown(*(results.get(k) if _ok(results.get(k)) else None for k in ISSUE_13), _table)]
-    if results.get("prefill") and not _ok(results["prefill"]):
+    lines += ["", *prefill.markdown(*(results.get(k) if section_ran(results.get(k)) else None for k in ISSUE_13), _table)]
+    if results.get("prefill") and not section_ran(results["prefill"]):
         failed.append(f"- `prefill`: {results['prefill'].get('error', '')}")
     if failed:
         lines += ["", "## Sections that failed or ran in part", "", *failed]

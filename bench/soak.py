@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    print(f"| kind | ok | 4xx (expected) | 503 (load) | errors | p50 ms | p99 ms |\n|---|---|---|---|---|---|---|")
+    print("| kind | ok | 4xx (expected) | 503 (load) | errors | p50 ms | p99 ms |\n|---|---|---|---|---|---|---|")
     for kind, s in sorted(kinds.items()):
         o = s["outcomes"]
         print(f"| {kind} | {o.get('ok', 0)} | {o.get('refused_4xx', 0)} | {o.get('refused_for_load', 0)} | "

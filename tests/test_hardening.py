@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import threading
 import time
 import urllib.error
