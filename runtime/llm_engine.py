@@ -168,7 +168,8 @@ class LLMEngine:
             if out.finished:
                 done.release()
 
-        ids = [self.submit(prompt, p, collect) for prompt, p in zip(prompts, params, strict=True)]
+        with self._cond:  # reentrant: the prompts reach the scheduler together, as one arrival
+            ids = [self.submit(prompt, p, collect) for prompt, p in zip(prompts, params, strict=True)]
         for _ in ids:
             if not done.acquire(timeout=timeout):
                 raise TimeoutError(f"generation did not finish within {timeout} s")

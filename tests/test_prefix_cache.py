@@ -178,7 +178,7 @@ def test_a_burst_with_one_prefix_computes_it_once(fp32):
     prompts = [DOCUMENT + q for q in QUESTIONS[:4]]
     with LLMEngine(fp32, prefix_cache=False) as engine:
         alone = [r.token_ids for r in engine.generate(prompts, greedy(16))]
-    # 64-token chunks: the document takes several steps, so the others arrive while it is computed
+    # generate() hands all four over at once; 64-token chunks make the document take several steps
     with LLMEngine(fp32, slots=4, prefill_tokens=64, solo_prefill_tokens=64) as engine:
         outs = engine.generate(prompts, greedy(16))
         stats = engine.stats()
