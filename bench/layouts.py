@@ -79,12 +79,12 @@ def expected_copy_bytes(manifest: Manifest, rows: int, tokens_after_step: int) -
 
 
 def capacities(runner, context: int) -> list[int | None]:
-    """None = the capacity that fits; for in-place also the bucket's worst case: a context just
-    past a power of two lives in a buffer twice its size."""
+    """None = the capacity that fits; for in-place also the bucket's worst case: a context one
+    token past a bucket boundary lives in the next bucket (up to 25% larger)."""
     out = [None]
     manifest = runner.manifest
-    if manifest.kv_layout == "inplace" and runner.bucket_for(context) * 2 <= manifest.max_seq_len:
-        out.append(runner.bucket_for(context) * 2)
+    if manifest.kv_layout == "inplace" and context < manifest.max_seq_len:
+        out.append(runner.bucket_for(context + 1))
     return out
 
 
@@ -165,8 +165,9 @@ def run(params: Params, artifacts) -> dict:
                         "one process per layout and batch, contexts ascending; includes the weights "
                         "(rss_after_load_bytes) and what earlier points left in ORT's arena (rss_before_point_bytes); "
                         "never-written KV pages are not resident (kv_bytes_allocated is the reservation)",
-            "inplace_capacity": "capacity bucket = smallest power of two >= context; worst_case_bucket "
-                                "points use twice that (a context just past a bucket boundary)"},
+            "inplace_capacity": "capacity bucket = smallest grid capacity >= context (kvforge.manifest."
+                                "capacity_bucket, 4 steps per power of two); worst_case_bucket points use "
+                                "the bucket of context + 1 (a context just past a bucket boundary)"},
         "units": {"median_ms": "ms", "min_ms": "ms", "max_ms": "ms", "peak_rss_bytes": "bytes",
                   "rss_after_load_bytes": "bytes", "rss_before_point_bytes": "bytes", "kv_bytes_allocated": "bytes",
                   "expected_bytes_copied_per_step": "bytes", "observed_bytes_written": "bytes",

@@ -57,22 +57,32 @@ def own_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def process_cpu_seconds(root_pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) of a process and of its direct children together, from /proc
-    (Linux): {"root": s, "children": s} - for Triton the server and its python backend stubs."""
-    tick, parents, seconds = os.sysconf("SC_CLK_TCK"), {}, {}
+SERVER_PARTS = ("launcher", "tritonserver", "llm_model", "other_models")
+
+
+def server_cpu_seconds(launcher_pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of the server's process tree, from /proc (Linux), by part:
+    the launcher (supervisor and HTTP/OpenAI front), tritonserver, the llm model's python stub
+    (the engine computes there) and the other models' stubs."""
+    tick, parents, seconds, parts = os.sysconf("SC_CLK_TCK"), {}, {}, {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             stat = Path(f"/proc/{entry}/stat").read_text()
+            command = Path(f"/proc/{entry}/cmdline").read_bytes()
         except OSError:  # exited meanwhile
             continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
-        parents[int(entry)] = int(fields[1])
-        seconds[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
-    return {"root": seconds.get(root_pid, 0.0),
-            "children": sum(s for pid, s in seconds.items() if parents[pid] == root_pid)}
+        pid, fields = int(entry), stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
+        parents[pid], seconds[pid] = int(fields[1]), (int(fields[11]) + int(fields[12])) / tick
+        parts[pid] = ("llm_model" if b"/llm/1/model.py" in command else "other_models" if b"backend_stub" in command
+                      else "tritonserver" if b"bin/tritonserver" in command else "launcher")
+    totals, tree = dict.fromkeys(SERVER_PARTS, 0.0), [launcher_pid] if launcher_pid in seconds else []
+    while tree:
+        pid = tree.pop()
+        totals[parts[pid]] += seconds[pid]
+        tree += [child for child, parent in parents.items() if parent == pid]
+    return totals
 
 
 def requests_for(concurrency: int) -> int:
@@ -89,12 +99,16 @@ def level(concurrency: int, prompts: list[str], max_tokens: int, one_request, to
     for i in range(total):
         jobs.put(prompts[i % len(prompts)])
     records, errors, lock = [], [], threading.Lock()
+    client_threads_cpu = []
 
     def worker():
+        started = time.thread_time()
         while True:
             try:
                 prompt = jobs.get_nowait()
             except queue.Empty:
+                with lock:
+                    client_threads_cpu.append(time.thread_time() - started)
                 return
             try:
                 arrivals = one_request(prompt, max_tokens)
@@ -112,16 +126,16 @@ def level(concurrency: int, prompts: list[str], max_tokens: int, one_request, to
     for t in threads:
         t.join()
     return {"requests": total, "records": records, "errors": errors, "wall_s": time.perf_counter() - began,
-            "cpu_s": {"this_process": own_cpu_seconds() - cpu}}
+            "cpu_s": {"this_process": own_cpu_seconds() - cpu, "client_threads": sum(client_threads_cpu)}}
 
 
 def triton_level(server, concurrency: int, prompts: list[str], max_tokens: int, one_request) -> dict:
-    """level() through Triton, with the CPU the server and its python backend stubs used meanwhile."""
-    before = process_cpu_seconds(server.process.pid)
+    """level() through Triton, with the CPU the server's processes used meanwhile; the client is
+    this whole process (tritonclient's gRPC threads included)."""
+    before = server_cpu_seconds(server.process.pid)
     run = level(concurrency, prompts, max_tokens, one_request)
-    after = process_cpu_seconds(server.process.pid)
-    run["cpu_s"] = {"client": run["cpu_s"]["this_process"], "tritonserver": after["root"] - before["root"],
-                    "llm_model": after["children"] - before["children"]}
+    after = server_cpu_seconds(server.process.pid)
+    run["cpu_s"] = {"client": run["cpu_s"]["this_process"], **{part: after[part] - before[part] for part in after}}
     return run
 
 
@@ -146,6 +160,15 @@ def summarize(concurrency: int, max_tokens: int, runs: list[dict]) -> dict:
                                     for run in runs],
             "ttft_ms": percentiles(ttft), "inter_token_ms": percentiles(gaps or [0.0]),
             "cpu_ms_per_token": {part: round(1e3 * s / max(tokens, 1), 3) for part, s in cpu.items()}}
+
+
+def overhead_of(triton: dict, in_process: dict) -> dict:
+    """Triton's overhead at one concurrency, in % (see "method")."""
+    server_cpu = sum(triton["cpu_ms_per_token"][part] for part in SERVER_PARTS)
+    return {"server_cpu": round(100 * (server_cpu / in_process["cpu_ms_per_token"]["engine"] - 1), 2),
+            "inter_token_p50": round(100 * (triton["inter_token_ms"]["p50"] / in_process["inter_token_ms"]["p50"] - 1),
+                                     2),
+            "tokens_per_s": round(100 * (1 - triton["tokens_per_s"] / in_process["tokens_per_s"]), 2)}
 
 
 def triton_sender(client):
@@ -189,7 +212,8 @@ def _start_engine(engine_dir: str, slots: int, kv_cache_bytes: int, threads: int
 
 def _in_process_level(concurrency: int, prompts: list[str], max_tokens: int) -> dict:
     run = level(concurrency, prompts, max_tokens, _ENGINE_SENDER)
-    run["cpu_s"] = {"engine_and_clients": run["cpu_s"]["this_process"]}
+    cpu = run["cpu_s"]
+    run["cpu_s"] = {"client": cpu["client_threads"], "engine": cpu["this_process"] - cpu["client_threads"]}
     return run
 
 
@@ -229,23 +253,27 @@ def run(params: Params, artifacts) -> dict:
         levels = params.concurrency[:1] if params.quick else params.concurrency
         aiperf = aiperf_openai.run(server, repo, engine_dir, levels, requests_for, params.serving_prompt_tokens,
                                    params.serving_new_tokens, artifacts.root / "aiperf", say)
-    overhead = {str(t["concurrency"]): round(100 * (1 - t["tokens_per_s"] / i["tokens_per_s"]), 2)
-                for t, i in zip(triton, in_process)}
+    overhead = {str(t["concurrency"]): overhead_of(t, i) for t, i in zip(triton, in_process)}
     return {
         "model": params.model, "engine": str(engine_dir), "prompt_tokens": params.serving_prompt_tokens,
         "new_tokens": params.serving_new_tokens, "greedy": True, "slots": limits.slots,
         "kv_cache_bytes": DEFAULT_KV_CACHE_BYTES, "protocol": "gRPC stream_infer (decoupled llm model)",
-        "triton": triton, "in_process": in_process, "overhead_percent": overhead, "aiperf_openai": aiperf,
+        "triton": triton, "in_process": in_process, "overhead": overhead, "aiperf_openai": aiperf,
         "method": "closed loop: c threads each send requests back to back; tokens/s = tokens received / "
                   "wall time over the level's runs; Triton (its own server process, gRPC clients here) and "
-                  "in-process (LLMEngine and its client threads in one child process) take turns run by run; "
-                  "overhead = 1 - Triton tokens/s / in-process tokens/s",
+                  "in-process (LLMEngine and its client threads in one child process) take turns run by run. "
+                  "Overhead, server side: server_cpu = the server's CPU per token (launcher, tritonserver, "
+                  "every model's stub, the engine included) over the in-process engine's, minus 1; "
+                  "inter_token_p50 = Triton's p50 gap between tokens over in-process, minus 1; beside them "
+                  "tokens_per_s = 1 - Triton tokens/s over in-process, which the client's CPU on the same "
+                  "cores also lowers",
         "units": {"ttft_ms": "ms", "inter_token_ms": "ms", "tokens_per_s": "tokens/s (all streams)",
-                  "cpu_ms_per_token": "CPU ms (user + system) per token received: triton = the benchmark's "
-                                      "client process, tritonserver, and the llm model's python stub (engine "
-                                      "included); in-process = the one process running engine and clients",
+                  "cpu_ms_per_token": "CPU ms (user + system) per token received, by process: triton = the "
+                                      "benchmark's client process and the server's parts; in-process = the "
+                                      "client threads and the rest of the one process (the engine)",
+                  "overhead": "%",
                   "tokens_per_s_by_run": "tokens/s (all streams)",
-                  "wall_s": "s", "overhead_percent": "%", "kv_cache_bytes": "bytes",
+                  "wall_s": "s", "kv_cache_bytes": "bytes",
                   "aiperf_openai": "ttft_ms / inter_token_ms / request_latency_ms in ms (p50, p99, avg); "
                                    "output_tokens_per_s in tokens/s (all streams)"},
     }

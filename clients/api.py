@@ -33,6 +33,7 @@ INPUTS = {"text_input": ("BYTES", np.object_), "max_tokens": ("INT32", np.int32)
           "frequency_penalty": ("FP32", np.float32), "min_tokens": ("INT32", np.int32),
           "bad_words": ("BYTES", np.object_), "end_id": ("INT32", np.int32),
           "exclude_input_in_output": ("BOOL", np.bool_)}
+GRPC_OUTPUTS = ("text_output", "output_ids")  # what a stream reads; the server builds only these
 
 
 class GenerationError(RuntimeError):
@@ -121,7 +122,9 @@ class LLMClient:
         try:
             client.start_stream(callback=lambda result, error: responses.put((result, error, time.perf_counter())))
             started = time.perf_counter()
-            client.async_stream_infer(self.model, inputs, enable_empty_final_response=True)
+            # only the outputs read below: the server then builds and sends nothing else per token
+            client.async_stream_infer(self.model, inputs, enable_empty_final_response=True,
+                                      outputs=[grpcclient.InferRequestedOutput(name) for name in GRPC_OUTPUTS])
             while not finished:
                 try:
                     result, error, arrived = responses.get(timeout=self.timeout)
@@ -131,8 +134,7 @@ class LLMClient:
                     finished = True
                     raise GenerationError(error.message() if isinstance(error, InferenceServerException) else str(error))
                 finished = result.get_response().parameters["triton_final_response"].bool_param
-                text = result.as_numpy("text_output")
-                ids = result.as_numpy("output_ids")
+                text, ids = (result.as_numpy(name) for name in GRPC_OUTPUTS)
                 yield Delta(b"".join(text.reshape(-1)).decode("utf-8") if text is not None else "",
                             ids.reshape(-1).tolist() if ids is not None else [], arrived - started, finished)
         except InferenceServerException as e:

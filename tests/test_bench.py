@@ -98,11 +98,14 @@ def test_kv_dtypes_peers_roofline_weights_serving_structure(quick_run):
         assert [r["concurrency"] for r in serving[mode]] == results["meta"]["params"]["concurrency"]
         for r in serving[mode]:
             assert {"p50", "p99"} <= r["ttft_ms"].keys() and "tokens_per_s" in r and r["completed"] == r["requests"]
-        parts = {"triton": {"client", "tritonserver", "llm_model"}, "in_process": {"engine_and_clients"}}[mode]
-        # the engine's process computes every token, so its CPU share cannot be zero
-        assert all(r["cpu_ms_per_token"].keys() == parts and max(r["cpu_ms_per_token"].values()) > 0
-                   for r in serving[mode])
-    assert set(serving["overhead_percent"]) == {str(c) for c in results["meta"]["params"]["concurrency"]}
+        parts = {"triton": {"client", "launcher", "tritonserver", "llm_model", "other_models"},
+                 "in_process": {"client", "engine"}}[mode]
+        engine_part = {"triton": "llm_model", "in_process": "engine"}[mode]
+        # the engine computes every token, so its process's CPU cannot be zero; the clients' neither
+        assert all(r["cpu_ms_per_token"].keys() == parts and r["cpu_ms_per_token"][engine_part] > 0
+                   and r["cpu_ms_per_token"]["client"] > 0 for r in serving[mode])
+    assert set(serving["overhead"]) == {str(c) for c in results["meta"]["params"]["concurrency"]}
+    assert all(o.keys() == {"server_cpu", "inter_token_p50", "tokens_per_s"} for o in serving["overhead"].values())
     aiperf = serving["aiperf_openai"]  # aiperf is a bench-only extra: skipped, saying why, where not installed
     assert "skipped" in aiperf or all(not r.get("error") and {"p50", "p99"} <= r["ttft_ms"].keys()
                                       and r["output_tokens_per_s"] > 0 for e in ("chat", "completions") for r in aiperf[e])

@@ -97,12 +97,12 @@ def test_admission_waits_for_slots_and_kv_blocks(engine_dir):
         assert len(engine.generate(PROMPTS[:2], SamplingParams(max_tokens=4))) == 2
         assert engine.stats()["max_rows"] == 2 and len(ids) == 5
     # slot buffers for 128 tokens, 4 slots: requests fitting the 64-token bucket run two at a
-    # time (four rows would be 256 tokens), and a promise needing the 256 bucket never fits
+    # time (four rows would be 256 tokens), and a promise needing the 224 bucket never fits
     bytes_per_token = Manifest.load(engine_dir).kv_bytes_per_token
     with LLMEngine(engine_dir, slots=4, kv_cache_bytes=128 * bytes_per_token) as engine:
         engine.generate(PROMPTS[:4], SamplingParams(max_tokens=20))
         assert engine.stats()["max_rows"] == 2
-        with pytest.raises(RequestError, match="needs 256 KV tokens .* the cache holds 128"):
+        with pytest.raises(RequestError, match="needs 224 KV tokens .* the cache holds 128"):
             engine.submit(PROMPTS[0], SamplingParams(max_tokens=200))
 
 

@@ -2,7 +2,7 @@
 
 Decoupled: execute() only parses and submits, then returns; the engine's thread generates and
 hands outputs to a sender thread, so a slow client never stalls decoding. The sender also
-polls `is_cancelled()` every CANCEL_POLL_SECONDS (a client that went away frees its slot at the
+asks `is_cancelled()` as a request's outputs go out (a client that went away frees its slot at the
 next step), updates the custom metrics and latency histograms, and writes one access-log line
 per request (ids and counts, never the text). Inputs and outputs use the names, dtypes and
 meanings of TensorRT-LLM's ensemble / tensorrt_llm_bls models (README "Inputs and outputs" lists
@@ -31,11 +31,12 @@ from runtime.sequence import RequestOutput
 from runtime.triton_requests import either, identity_only, one_value, refuse_unknown_parameters, strings, utf8
 from runtime.triton_server import append_json_line
 
-# is_cancelled() is a round trip to the server, so it is asked per request every this many
-# seconds, not per token: a cancelled request generates at most this long plus one step. One
-# still waiting for a slot costs no compute and is asked less often.
+# is_cancelled() is a round trip to the server, as is every send and metric update, so a
+# generating request is asked when one of its outputs goes out (once per engine step, the soonest
+# the engine could stop it) but not more often than every CANCEL_POLL_SECONDS; one that has had no
+# output for IDLE_POLL_SECONDS (waiting for a slot or in a long prefill) is asked by the timer.
 CANCEL_POLL_SECONDS = 0.02
-WAITING_POLL_SECONDS = 0.2
+IDLE_POLL_SECONDS = 0.2
 METRICS_SECONDS = 0.1
 # A stream gets one response per token; only when the sender finds more than this many of one
 # stream's outputs queued at once (the client or the response path fell behind the engine) does
@@ -112,8 +113,9 @@ def env_seconds(name):
 class Client:
     """One request's response sender; without streaming, it gathers the output for one response."""
 
-    def __init__(self, sender, stream: bool, log_id: str, echo: str = "", triton_id: str = ""):
+    def __init__(self, sender, stream: bool, log_id: str, outputs: frozenset, echo: str = "", triton_id: str = ""):
         self.sender, self.stream, self.log_id = sender, stream, log_id
+        self.outputs = outputs  # the output names the client asked for: only those are built
         self.echo = echo  # the prompt text, sent before the output when exclude_input_in_output is false
         self.triton_id = triton_id  # the client's request id, which a `stop` request names
         self.request_id = None  # set once the engine accepted the request
@@ -121,7 +123,7 @@ class Client:
         self.gathered = None
         self.arrived = time.perf_counter()
         self.first_token = self.last_sent = self.cancel_seen = None
-        self.next_poll = 0.0
+        self.last_poll = time.monotonic()  # arrival: the timer first asks IDLE_POLL_SECONDS later
 
 
 def prompt_of(request, tokenizer):
@@ -173,21 +175,30 @@ def parse(request, engine):
     return prompt, params, one_value(request, "stream", False, bool), echo
 
 
-def response(out: RequestOutput, echo: str = ""):
-    """One response of the llm model: the text and tokens of `out`, with their counts."""
-    tensors = [
-        # one text per response, 1-D like TensorRT-LLM's postprocessing output (llama-index iterates it)
-        pb_utils.Tensor("text_output", np.array([(echo + out.text).encode("utf-8")], dtype=np.object_)),
-        pb_utils.Tensor("output_ids", np.array([out.token_ids], dtype=np.int32)),
-        pb_utils.Tensor("num_input_tokens", np.array([[out.prompt_tokens]], dtype=np.int32)),
-        pb_utils.Tensor("num_output_tokens", np.array([[len(out.token_ids)]], dtype=np.int32)),
-        pb_utils.Tensor("sequence_length", np.array([[out.output_tokens]], dtype=np.int32)),
-        pb_utils.Tensor("finish_reason", np.array([[(out.finish_reason or "").encode()]], dtype=np.object_)),
-        pb_utils.Tensor("cached_tokens", np.array([[out.cached_tokens]], dtype=np.int32))]
-    if out.logprobs is not None:
-        tensors += [pb_utils.Tensor("cum_log_probs", np.array([[out.cum_logprob]], dtype=np.float32)),
-                    pb_utils.Tensor("output_log_probs", np.array([[out.logprobs]], dtype=np.float32))]
-    return pb_utils.InferenceResponse(output_tensors=tensors)
+# output name -> its array for one response (TensorRT-LLM's shapes and dtypes)
+OUTPUTS = {
+    # one text per response, 1-D like TensorRT-LLM's postprocessing output (llama-index iterates it)
+    "text_output": lambda out, echo: np.array([(echo + out.text).encode("utf-8")], dtype=np.object_),
+    "output_ids": lambda out, echo: np.array([out.token_ids], dtype=np.int32),
+    "num_input_tokens": lambda out, echo: np.array([[out.prompt_tokens]], dtype=np.int32),
+    "num_output_tokens": lambda out, echo: np.array([[len(out.token_ids)]], dtype=np.int32),
+    "sequence_length": lambda out, echo: np.array([[out.output_tokens]], dtype=np.int32),
+    "finish_reason": lambda out, echo: np.array([[(out.finish_reason or "").encode()]], dtype=np.object_),
+    "cached_tokens": lambda out, echo: np.array([[out.cached_tokens]], dtype=np.int32),
+}
+LOGPROB_OUTPUTS = {
+    "cum_log_probs": lambda out, echo: np.array([[out.cum_logprob]], dtype=np.float32),
+    "output_log_probs": lambda out, echo: np.array([[out.logprobs]], dtype=np.float32),
+}
+ALL_OUTPUTS = frozenset(OUTPUTS) | frozenset(LOGPROB_OUTPUTS)
+
+
+def response(out: RequestOutput, echo: str = "", names=ALL_OUTPUTS):
+    """One response of the llm model: the requested outputs of `out` (Triton would drop the
+    others after they crossed to the server; not building them saves that work per token)."""
+    arrays = {**OUTPUTS, **(LOGPROB_OUTPUTS if out.logprobs is not None else {})}
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(name, make(out, echo))
+                                                      for name, make in arrays.items() if name in names])
 
 
 def coalesce(items):
@@ -246,11 +257,21 @@ def engine_options():
     return options
 
 
-def publish(metric, kind, value):
-    if kind == "GAUGE":
-        metric.set(value)
-    elif value > metric.value():
-        metric.increment(value - metric.value())
+class Published:
+    """A custom metric and the value last sent to it: each set/increment is a round trip to the
+    server, so only changes are sent, and a counter's value is never read back."""
+
+    def __init__(self, metric, kind):
+        self.metric, self.kind, self.value = metric, kind, 0
+
+    def update(self, value):
+        if value == self.value:
+            return
+        if self.kind == "GAUGE":
+            self.metric.set(value)
+        elif value > self.value:
+            self.metric.increment(value - self.value)
+        self.value = value
 
 
 def error(message, code):
@@ -286,7 +307,7 @@ class TritonPythonModel:
         # MetricFamily exists only in a model instance's stub, not while Triton loads this file
         self.families = {key: pb_utils.MetricFamily(name, description, getattr(pb_utils.MetricFamily, kind))
                          for key, name, description, kind in METRICS}
-        self.metrics = {key: family.Metric(labels=labels) for key, family in self.families.items()}
+        self.metrics = {key: Published(self.families[key].Metric(labels=labels), kind) for key, _, _, kind in METRICS}
         for key, name, description in HISTOGRAMS:
             self.families[key] = pb_utils.MetricFamily(name, description, pb_utils.MetricFamily.HISTOGRAM)
         self.histograms = {key: self.families[key].Metric(labels=labels, buckets=LATENCY_BUCKETS)
@@ -294,7 +315,7 @@ class TritonPythonModel:
         tiers = list(self.engine.stats()["tiers"])
         self.tier_families = {key: pb_utils.MetricFamily(name, description, getattr(pb_utils.MetricFamily, kind))
                               for key, name, description, kind in TIER_METRICS} if tiers else {}
-        self.tier_metrics = {(tier, key, kind): self.tier_families[key].Metric(labels={**labels, "tier": tier})
+        self.tier_metrics = {(tier, key): Published(self.tier_families[key].Metric(labels={**labels, "tier": tier}), kind)
                              for tier in tiers for key, _, _, kind in TIER_METRICS}
         self.sender = threading.Thread(target=self.send_loop, name="llm-sender", daemon=True)
         self.sender.start()
@@ -312,7 +333,8 @@ class TritonPythonModel:
                     self.stop(request)
                     continue
                 prompt, params, stream, echo = parse(request, self.engine)
-                client = Client(sender, stream, log_id, echo, request.request_id())
+                client = Client(sender, stream, log_id, frozenset(request.requested_output_names()) or ALL_OUTPUTS,
+                                echo, request.request_id())
                 client.request_id = self.engine.submit(prompt, params, lambda out, c=client: self.outbox.put((c, out)),
                                                        cache_salt=cache_salt(request), queue_timeout=self.queue_timeout,
                                                        timeout=self.request_timeout)
@@ -373,13 +395,17 @@ class TritonPythonModel:
                 next_metrics = now + METRICS_SECONDS
 
     def check_cancelled(self, client):
-        """True once the client went away; the engine then ends the request with a "cancelled" output."""
+        """Once the client went away, the engine ends the request with a "cancelled" output."""
+        started = time.thread_time()
+        client.last_poll = time.monotonic()
         if client.request_id is not None and not client.cancelled and client.sender.is_cancelled():
             client.cancelled, client.cancel_seen = True, time.perf_counter()
             self.engine.cancel(client.request_id)
-        return client.cancelled
+        self.poll_seconds += time.thread_time() - started
 
     def send(self, client, out):
+        if not out.finished and time.monotonic() - client.last_poll >= CANCEL_POLL_SECONDS:
+            self.check_cancelled(client)
         if client.cancelled and not out.finished:
             return
         if out.finished:
@@ -396,12 +422,12 @@ class TritonPythonModel:
         elif out.error:
             client.sender.send(error(out.error, pb_utils.TritonError.INTERNAL), flags=FINAL)
         elif client.stream:
-            client.sender.send(response(out, client.echo), flags=FINAL if out.finished else 0)
+            client.sender.send(response(out, client.echo, client.outputs), flags=FINAL if out.finished else 0)
             client.echo = ""
         else:
             client.gathered = client.gathered.merge(out) if client.gathered else out
             if out.finished:
-                client.sender.send(response(client.gathered, client.echo), flags=FINAL)
+                client.sender.send(response(client.gathered, client.echo, client.outputs), flags=FINAL)
 
     def observe(self, client, out):
         """Latency histograms as the response goes out; the access-log line when it is the last."""
@@ -429,21 +455,19 @@ class TritonPythonModel:
                       stop_ms=round(1000 * (now - client.cancel_seen), 2) if client.cancel_seen else None))
 
     def poll_cancelled(self):
-        started, now = time.thread_time(), time.monotonic()
+        """The timer's share: requests that had no output for IDLE_POLL_SECONDS."""
+        now = time.monotonic()
         with self.live_lock:
-            clients = [c for c in self.live if c.next_poll <= now]
-        for client in clients:
+            idle = [c for c in self.live if now - c.last_poll >= IDLE_POLL_SECONDS]
+        for client in idle:
             self.check_cancelled(client)
-            client.next_poll = now + (CANCEL_POLL_SECONDS if client.first_token else WAITING_POLL_SECONDS)
-        if clients:  # an idle server's counter stays put
-            self.poll_seconds += time.thread_time() - started
 
     def update_metrics(self):
         stats = dict(self.engine.stats(), cancel_poll_seconds=self.poll_seconds)
-        for key, _, _, kind in METRICS:
-            publish(self.metrics[key], kind, stats[key])
-        for (tier, key, kind), metric in self.tier_metrics.items():
-            publish(metric, kind, stats["tiers"][tier][key])
+        for key, metric in self.metrics.items():
+            metric.update(stats[key])
+        for (tier, key), metric in self.tier_metrics.items():
+            metric.update(stats["tiers"][tier][key])
 
     def finalize(self):
         self.engine.close()  # ends what is left with an error output, sent below
