@@ -50,15 +50,17 @@ def as_input(name: str, value) -> grpcclient.InferInput:
     return tensor
 
 
-def send(triton, model: str, inputs: dict, request_id: str = "", first=None) -> list:
+def send(triton, model: str, inputs: dict, request_id: str = "", first=None, outputs=None) -> list:
     """One request over stream_infer; returns its responses ({output: numpy}) or raises its error.
-    `first(response)` runs when the first response arrives (e.g. to send a stop signal)."""
+    `first(response)` runs when the first response arrives (e.g. to send a stop signal);
+    `outputs` names the outputs to ask for (default: none named, so all)."""
     client = grpcclient.InferenceServerClient(triton.grpc_url)
     responses: queue.Queue = queue.Queue()
     client.start_stream(lambda result, error: responses.put((result, error)))
     try:
         client.async_stream_infer(model, [as_input(k, v) for k, v in inputs.items()], request_id=request_id,
-                                  enable_empty_final_response=True)
+                                  enable_empty_final_response=True,
+                                  outputs=[grpcclient.InferRequestedOutput(name) for name in outputs or ()] or None)
         got = []
         while True:
             result, error = responses.get(timeout=60)
@@ -269,6 +271,15 @@ def test_echo_top_p_zero_and_token_counts(triton, grpc):
     assert streamed[-1]["sequence_length"].reshape(-1)[0] == 24
     assert text_of(generate(triton, model="ensemble")) == PROMPT + greedy  # TensorRT-LLM's default: echo
     assert text_of(generate(triton, model="ensemble", stream=True)) == greedy
+
+
+def test_a_request_gets_the_outputs_it_asked_for(triton):
+    inputs = {"text_input": "def f(x):", "max_tokens": np.array([[4]], np.int32), "stream": np.array([[True]])}
+    everything = send(triton, "llm", inputs)
+    assert {"text_output", "output_ids", "num_output_tokens", "finish_reason"} <= everything[0].keys()
+    asked = send(triton, "llm", inputs, outputs=["text_output", "num_output_tokens"])
+    assert all(r.keys() == {"text_output", "num_output_tokens"} for r in asked)
+    assert text_of(asked) == text_of(everything)  # greedy: the same answer, fewer tensors per token
 
 
 @pytest.mark.parametrize("inputs, message", [

@@ -191,3 +191,13 @@ def test_bad_inputs_fail_cleanly(tmp_path, case):
     assert not out.exists() and not _leftovers(tmp_path)
     if case == "unsupported architecture":
         assert "LlamaForCausalLM" in errors[0] and "Qwen2ForCausalLM" in errors[0]
+
+
+def test_capacity_buckets_step_four_times_per_power_of_two():
+    from kvforge.manifest import capacity_bucket
+
+    assert [capacity_bucket(t, 4096) for t in (1, 64, 65, 129, 1025, 2049, 2112, 4000)] == \
+        [64, 64, 80, 160, 1280, 2560, 2560, 4096]
+    assert capacity_bucket(3000, 3000) == 3000  # capped at the engine's context
+    with pytest.raises(ManifestError, match="exceed"):
+        capacity_bucket(4097, 4096)
