@@ -1,7 +1,8 @@
 """Section 5, serving: the same closed-loop load through the real Triton server (gRPC streaming,
 clients.api.LLMClient) and in-process (runtime.llm_engine.LLMEngine, same engine, same limits):
-TTFT p50/p99, inter-token latency, aggregate tokens/s per concurrency level, and Triton's
-overhead in % of the in-process throughput. Beside them, aiperf measures the OpenAI-compatible
+TTFT p50/p99, inter-token latency, aggregate tokens/s and CPU per token by process at each
+concurrency level, and Triton's overhead on the server side (CPU per token, inter-token p50) with
+the tokens/s it costs beside it. Beside them, aiperf measures the OpenAI-compatible
 API on the same server (bench/aiperf_openai.py), comparable with other servers' figures.
 
 Each of `c` client threads sends its requests back to back, every request the same fixed prompt
