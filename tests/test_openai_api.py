@@ -162,7 +162,8 @@ def test_a_client_that_disconnects_cancels_its_triton_stream(triton, base_url):
     from tests.test_serving import settled_metrics, wait_for_metrics
 
     before = settled_metrics(triton)
-    body = {"model": "llm", "prompt": PROMPT, "max_tokens": 2000, "stream": True}
+    # min_tokens: the sampled stream cannot end on an end token, only by its length or the cancel
+    body = {"model": "llm", "prompt": PROMPT, "max_tokens": 2000, "min_tokens": 2000, "stream": True}
     with httpx.stream("POST", f"{base_url}/completions", json=body, timeout=60) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
