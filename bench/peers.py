@@ -179,6 +179,19 @@ def kvforge_ttft_steps(runner, ids: np.ndarray, new_tokens: int) -> tuple[float,
     return prefill, steps
 
 
+def decode_matmul_bound(export_dir, threads: int) -> dict:
+    """A batch-1 decode step's weight matmuls alone on ONNX Runtime's CPU kernels: the shapes of a
+    profiled one-token step, every weight distinct (read from memory, as in the step): what an fp32
+    decode step on these kernels costs even if the rest of its graph cost nothing."""
+    from bench.prefill import matmuls_seconds, profile_step
+
+    shapes = profile_step(export_dir, 1, threads)["weight_matmuls"]
+    seconds = matmuls_seconds(shapes, threads)
+    weight_bytes = sum(4 * b[0] * b[1] for _, b in shapes)
+    return {"matmuls": len(shapes), "weight_bytes": weight_bytes, "bound_ms": round(seconds * 1e3, 3),
+            "bound_tokens_per_s": round(1 / seconds, 2), "read_gb_per_s": round(weight_bytes / seconds / 1e9, 2)}
+
+
 def spread(values: list[float], digits: int = 4) -> dict:
     return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
             "max": round(max(values), digits)}
@@ -225,7 +238,9 @@ def ttft_section(params: Params, artifacts) -> list[dict]:
         say(f"peers TTFT: {checkpoint.name}, prompts {list(params.ttft_prompt_tokens)}, {params.ttft_rounds} rounds")
         results.append({"model": checkpoint.name, "vocab_size": hf.config.vocab_size,
                         "lengths": ttft_rounds(systems, hf.config.vocab_size, params.ttft_prompt_tokens,
-                                               params.ttft_new_tokens, params.ttft_rounds)})
+                                               params.ttft_new_tokens, params.ttft_rounds),
+                        "decode_matmul_bound": decode_matmul_bound(artifacts.export(model, "inplace", "fp32"),
+                                                                   params.threads)})
         del runner, hf, genai
     return results
 

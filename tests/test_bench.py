@@ -181,3 +181,15 @@ def test_prefill_and_ttft_structure(quick_run):
         assert profile["roofline"]["bound_s"] > 0 and profile["roofline"]["shapes"]
     assert section["models"][0]["scoring_step"]["lm_head_s"] > 0
     assert any(t["target"].startswith("TTFT <=") for t in results["targets"])
+    # the kernels' cap beside each decode ratio: every weight matmul of a one-token step, timed alone
+    bound = results["peers"]["ttft"][0]["decode_matmul_bound"]
+    assert bound["matmuls"] > 0 and bound["weight_bytes"] > 0 and bound["bound_ms"] > 0
+    from bench.prefill import kernel_caps
+
+    model, peer_rate = results["peers"]["ttft"][0], 10.0
+    caps = kernel_caps(model, "decode_tokens_per_s", 16, 1.0, peer_rate, section)
+    assert caps == {"weight matmuls alone": bound["bound_tokens_per_s"] / peer_rate}
+    profile = section["models"][0]["profiles"][0]  # TTFT caps: shares of kvforge's own profiled prefill
+    caps = kernel_caps(model, "ttft_s", profile["tokens"], 1.0, 1.0, section)
+    assert 0 < caps["weight matmuls alone"] < caps["with attention"]
+    assert kernel_caps(model, "ttft_s", 99999, 1.0, 1.0, section) == {}
