@@ -29,15 +29,14 @@ def session_options(threads: int | None = None):
     opts.intra_op_num_threads = threads or int(os.environ.get("KVFORGE_THREADS", 0)) or (os.cpu_count() or 1)
     opts.inter_op_num_threads = 1
     opts.log_severity_level = 3
-    # Intra-op threads spin between the operators of a run (no futex wake-up per operator) and
-    # stop spinning when the run returns: a served engine shares its cores with tritonserver, the
-    # sender thread and often the clients, and a thread spinning between steps takes their CPU.
-    # Measured on small-llama, 2 cores: batch-1 decode step 16.6 vs 17.3 ms never spinning
-    # (medians of 10 x 15 interleaved steps); through Triton at concurrency 16, 336-345 vs
-    # 301-313 tokens/s (2 A/B runs of the serving section's c16 load); spinning also between
-    # runs lost there (375-387 vs 414-419 tokens/s never spinning, an earlier stop).
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "1")
-    opts.add_session_config_entry("session.force_spinning_stop", "1")
+    # Idle intra-op threads sleep instead of spinning: a served engine shares its cores with
+    # tritonserver, the sender thread and often the clients, and a spinning thread takes their CPU
+    # (small-llama through Triton, 2 cores, concurrency 16: 375-387 -> 414-419 tokens/s), while
+    # alone a decode step is about as fast either way (batch 1: 14.3 vs 14.5 ms, medians of 6 x 40
+    # steps). Spinning within a run only (session.force_spinning_stop) was measured as well: batch-1
+    # decode 16.6 vs 17.3 ms and gRPC concurrency 16 +11-14% tokens/s, but aiperf beside the server,
+    # through the OpenAI front, lost 20-34% of its tokens/s at concurrency 1 and 13-18% at 4.
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return opts
 
 
