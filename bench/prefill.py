@@ -144,20 +144,41 @@ def matmuls_seconds(shapes: list[tuple[tuple, tuple]], threads: int) -> float:
     return best
 
 
+def torch_linear_seconds(a_shape: tuple, b_shape: tuple, threads: int) -> float:
+    """Best time of torch.nn.functional.linear at one matmul shape and thread count: the kernel
+    transformers' prefill runs, timed like matmuls_seconds times ONNX Runtime's."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.randn(a_shape)
+    weight = torch.randn(b_shape[1], b_shape[0]) * 0.02  # Linear keeps [out, in]
+    best = float("inf")
+    with torch.no_grad():
+        torch.nn.functional.linear(x, weight)
+        for _ in range(BOUND_REPEATS):
+            began = time.perf_counter()
+            torch.nn.functional.linear(x, weight)
+            best = min(best, time.perf_counter() - began)
+    return best
+
+
 def roofline(profile: dict, threads: int) -> dict:
-    """The matmul-only bound of a profiled step and the step's share of it."""
+    """The matmul-only bound of a profiled step and the step's share of it, and the same matmuls
+    on PyTorch's kernels: whether another fp32 CPU kernel would do them faster."""
     counts: dict[tuple, int] = {}
     for shapes in profile["weight_matmuls"]:
         counts[shapes] = counts.get(shapes, 0) + 1
-    shapes_out, bound, flops = [], 0.0, 0
+    shapes_out, bound, torch_bound, flops = [], 0.0, 0.0, 0
     for (a, b), n in counts.items():
-        seconds = matmuls_seconds([(a, b)], threads)
+        seconds, torch_seconds = matmuls_seconds([(a, b)], threads), torch_linear_seconds(a, b, threads)
         f = 2 * int(np.prod(a[:-1])) * a[-1] * b[1]
-        bound, flops = bound + n * seconds, flops + n * f
+        bound, torch_bound, flops = bound + n * seconds, torch_bound + n * torch_seconds, flops + n * f
         shapes_out.append({"input": list(a), "weight": list(b), "count": n, "best_ms": round(seconds * 1e3, 3),
-                           "gflop_per_s": round(f / seconds / 1e9, 2)})
+                           "gflop_per_s": round(f / seconds / 1e9, 2),
+                           "torch_best_ms": round(torch_seconds * 1e3, 3)})
     step = profile["wall_s"]
-    return {"bound_s": round(bound, 4), "matmul_gflop": round(flops / 1e9, 2),
+    return {"bound_s": round(bound, 4), "torch_bound_s": round(torch_bound, 4),
+            "matmul_gflop": round(flops / 1e9, 2),
             "machine_gflop_per_s_at_these_shapes": round(flops / bound / 1e9, 2),
             "prefill_gflop_per_s": round(flops / step / 1e9, 2),
             "percent_of_roofline": round(100 * bound / step, 1), "shapes": shapes_out}
@@ -265,6 +286,8 @@ def measure(export_dir: Path, tokens: tuple[int, ...], chunks: tuple[int, ...], 
                       "after an unprofiled warm-up); kernel times summed by op type; "
                       "roofline: each weight matmul of the step timed alone as an ONNX Runtime MatMul of the same "
                       f"shapes and threads (best of {BOUND_REPEATS}), summed over the step's matmuls; "
+                      "torch_bound_s: the same shapes as torch.nn.functional.linear (transformers' kernel), "
+                      "timed alike; "
                       "percent_of_roofline = that bound / the step's wall time; chunk curve: LLMEngine with "
                       "prefix caching off, a fresh random prompt every round, points interleaved per round",
             "units": {"wall_s": "s", "model_run_s": "s", "kernel_s": "s", "seconds": "s", "percent": "%",
@@ -345,7 +368,8 @@ def targets(peers: dict | None, prefill: dict | None, target, skipped) -> list[d
                           "ratio if the rest of the graph cost nothing (decode: the step's matmuls with distinct "
                           "weights; TTFT: the ratio times the matmul bound's share of the profiled prefill), "
                           "\"with attention\" adds the profiled attention kernels; +-10% or worse (the machine "
-                          "drifts between the measurements)"
+                          "drifts between the measurements); the prefill profile's \"same matmuls on PyTorch\" "
+                          "says whether transformers' kernels would do the matmuls faster"
                           if met is not None else
                           "this run measured other prompt lengths (quick run)"))
     title, required = "Prefill of 2,048 tokens as a share of the matmul-only roofline", ">= 50%"
@@ -384,13 +408,14 @@ def markdown(peers: dict | None, prefill: dict | None, table) -> list[str]:
     if prefill and prefill.get("models"):
         rows = [[m["model"], p["tokens"], f"{p['wall_s']:.2f}", *(f"{p['percent'][k]:.1f}" for k in
                  ("matmul", "lm_head_matmul", "attention", "other")), f"{p['roofline']['bound_s']:.2f}",
-                 f"{p['roofline']['percent_of_roofline']:.0f}%",
+                 f"{p['roofline']['percent_of_roofline']:.0f}%", f"{p['roofline']['torch_bound_s']:.2f}",
                  f"{p['roofline']['prefill_gflop_per_s']:.0f} / {p['roofline']['machine_gflop_per_s_at_these_shapes']:.0f}"]
                 for m in prefill["models"] for p in m["profiles"]]
         lines += ["", "## 6b. Prefill profile (a prompt alone, as LLMEngine chunks it; ONNX Runtime profiler)", "",
                   prefill["method"], "",
                   *table(["model", "tokens", "step s", "matmul %", "lm_head %", "attention %", "other %",
-                          "matmul bound s", "share of bound", "GFLOP/s (prefill / MatMul alone)"], rows)]
+                          "matmul bound s", "share of bound", "same matmuls on PyTorch s",
+                          "GFLOP/s (prefill / MatMul alone)"], rows)]
     return lines
 
 

@@ -163,13 +163,22 @@ def summarize(concurrency: int, max_tokens: int, runs: list[dict]) -> dict:
             "cpu_ms_per_token": {part: round(1e3 * s / max(tokens, 1), 3) for part, s in cpu.items()}}
 
 
-def overhead_of(triton: dict, in_process: dict) -> dict:
-    """Triton's overhead at one concurrency, in % (see "method")."""
+def pair_overhead(triton: dict, in_process: dict) -> dict:
+    """Triton's overhead in one pair of summaries, in % (see "method")."""
     server_cpu = sum(triton["cpu_ms_per_token"][part] for part in SERVER_PARTS)
-    return {"server_cpu": round(100 * (server_cpu / in_process["cpu_ms_per_token"]["engine"] - 1), 2),
-            "inter_token_p50": round(100 * (triton["inter_token_ms"]["p50"] / in_process["inter_token_ms"]["p50"] - 1),
-                                     2),
-            "tokens_per_s": round(100 * (1 - triton["tokens_per_s"] / in_process["tokens_per_s"]), 2)}
+    return {"server_cpu": 100 * (server_cpu / in_process["cpu_ms_per_token"]["engine"] - 1),
+            "inter_token_p50": 100 * (triton["inter_token_ms"]["p50"] / in_process["inter_token_ms"]["p50"] - 1),
+            "tokens_per_s": 100 * (1 - triton["tokens_per_s"] / in_process["tokens_per_s"])}
+
+
+def overhead_of(concurrency: int, max_tokens: int, triton_runs: list[dict], in_process_runs: list[dict]) -> dict:
+    """Each Triton run against the in-process run beside it (they take turns), then the median over
+    the pairs: the machine's speed drifts by 10-20% between runs, which pooling every run would
+    leave in the ratio, while the two halves of a pair run a few seconds apart."""
+    pairs = [pair_overhead(summarize(concurrency, max_tokens, [t]), summarize(concurrency, max_tokens, [i]))
+             for t, i in zip(triton_runs, in_process_runs)]
+    return {**{key: round(float(np.median([p[key] for p in pairs])), 2) for key in pairs[0]},
+            "by_pair": {key: [round(p[key], 2) for p in pairs] for key in pairs[0]}}
 
 
 def triton_sender(client):
@@ -230,7 +239,7 @@ def run(params: Params, artifacts) -> dict:
     limits = Limits.from_manifest(Manifest.load(engine_dir), kv_cache_bytes=DEFAULT_KV_CACHE_BYTES)
     prompts = prompt_texts(engine_dir, params.serving_prompt_tokens, 8)
     http, grpc, metrics = free_ports(3)
-    triton, in_process = [], []
+    triton, in_process, overhead = [], [], {}
     # Both stay up and take turns run by run, so load from elsewhere on the machine hits both
     # alike; the idle one only waits on a condition variable.
     with TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics) as server, \
@@ -238,7 +247,11 @@ def run(params: Params, artifacts) -> dict:
                 1, initializer=_start_engine,
                 initargs=(str(engine_dir), limits.slots, DEFAULT_KV_CACHE_BYTES, params.threads, prompts[0])) as local:
         send_triton = triton_sender(LLMClient(server.grpc_url))
-        send_triton(prompts[0], 2)  # warm-up: first-step allocations
+        # warm-up at the top concurrency: the first run after a start pays for allocations and the
+        # kernels of new batch shapes (it ran ~15% slower than the next ones)
+        say("serving: warm-up")
+        level(max(params.concurrency), prompts, 8, send_triton)
+        local.apply(_in_process_level, (max(params.concurrency), prompts, 8))
         for c in params.concurrency:
             runs: dict[str, list[dict]] = {"triton": [], "in-process": []}
             for _ in range(params.layout_rounds):
@@ -248,13 +261,13 @@ def run(params: Params, artifacts) -> dict:
                 runs["in-process"].append(local.apply(_in_process_level, (c, prompts, params.serving_new_tokens)))
             triton.append(summarize(c, params.serving_new_tokens, runs["triton"]))
             in_process.append(summarize(c, params.serving_new_tokens, runs["in-process"]))
+            overhead[str(c)] = overhead_of(c, params.serving_new_tokens, runs["triton"], runs["in-process"])
         from bench import aiperf_openai
 
         # quick mode (the test suite) checks the aiperf path at one level; the full run sweeps them all
         levels = params.concurrency[:1] if params.quick else params.concurrency
         aiperf = aiperf_openai.run(server, repo, engine_dir, levels, requests_for, params.serving_prompt_tokens,
                                    params.serving_new_tokens, artifacts.root / "aiperf", say)
-    overhead = {str(t["concurrency"]): overhead_of(t, i) for t, i in zip(triton, in_process)}
     return {
         "model": params.model, "engine": str(engine_dir), "prompt_tokens": params.serving_prompt_tokens,
         "new_tokens": params.serving_new_tokens, "greedy": True, "slots": limits.slots,
@@ -263,11 +276,13 @@ def run(params: Params, artifacts) -> dict:
         "method": "closed loop: c threads each send requests back to back; tokens/s = tokens received / "
                   "wall time over the level's runs; Triton (its own server process, gRPC clients here) and "
                   "in-process (LLMEngine and its client threads in one child process) take turns run by run. "
-                  "Overhead, server side: server_cpu = the server's CPU per token (launcher, tritonserver, "
-                  "every model's stub, the engine included) over the in-process engine's, minus 1; "
-                  "inter_token_p50 = Triton's p50 gap between tokens over in-process, minus 1; beside them "
-                  "tokens_per_s = 1 - Triton tokens/s over in-process, which the client's CPU on the same "
-                  "cores also lowers",
+                  "Overhead, server side, per pair of runs side by side (a Triton run and the in-process run "
+                  "after it), the median over the pairs (by_pair lists each): server_cpu = the server's CPU "
+                  "per token (launcher, tritonserver, every model's stub, the engine included) over the "
+                  "in-process engine's, minus 1; inter_token_p50 = Triton's p50 gap between tokens over "
+                  "in-process, minus 1; beside them tokens_per_s = 1 - Triton tokens/s over in-process, which "
+                  "the client's CPU on the same cores also lowers. Before the levels, both run one untimed "
+                  "level at the top concurrency",
         "units": {"ttft_ms": "ms", "inter_token_ms": "ms", "tokens_per_s": "tokens/s (all streams)",
                   "cpu_ms_per_token": "CPU ms (user + system) per token received, by process: triton = the "
                                       "benchmark's client process and the server's parts; in-process = the "

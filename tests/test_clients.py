@@ -16,9 +16,10 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import np_to_triton_dtype
 
-from clients.api import LLMClient
+from clients.api import GenerationError, LLMClient
 from kvforge.manifest import Manifest
 from runtime.tokenizer import Tokenizer
+from runtime.triton_server import free_ports
 from tests.conftest import SERVING_CONTEXT
 
 PROMPT = "def fibonacci(n):"
@@ -35,6 +36,13 @@ def grpc(triton):
 def tokenizer(exports):
     engine_dir = exports(max_seq_len=SERVING_CONTEXT)
     return Tokenizer(engine_dir, Manifest.load(engine_dir))
+
+
+def test_a_server_that_is_not_there_is_a_clear_error_not_a_hang():
+    url = f"127.0.0.1:{free_ports(1)[0]}"
+    for protocol in ("grpc", "http"):
+        with pytest.raises(GenerationError, match=f"^cannot reach {url}"):
+            LLMClient(url, protocol, timeout=30).generate(PROMPT, max_tokens=3)
 
 
 class RequestFailed(Exception):
