@@ -12,10 +12,9 @@ are measured where the user sees them:
 Leaving a gRPC stream early (break, or closing the generator) cancels the request on the server.
 One LLMClient holds one gRPC channel, which every thread's streams share (HTTP/2 multiplexes
 them); each stream's responses are read in the thread that iterates it, over the stub of
-tritonclient's GRPCInferenceService. tritonclient's callback stream API costs a channel per
-client object and two more threads per stream: 16 threads each streaming 64-token answers from
-one server (small-llama, 2 cores, a scratch A/B of 4 rounds taking turns) took 0.35-0.43 ms of
-client CPU per token and got 315-362 tokens/s that way, 0.24-0.30 ms and 343-397 tokens/s this way.
+tritonclient's GRPCInferenceService, rather than through tritonclient's callback stream API,
+which opens a channel per client object and runs two more threads per stream: at 16 streams on
+the server's 2 cores that cost about 0.1 ms more client CPU per token (README, Benchmarks).
 """
 from __future__ import annotations
 
@@ -168,8 +167,10 @@ class LLMClient:
             raise GenerationError(f"{self.url} closed the stream before the final response")
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise GenerationError(f"no final response from {self.url} within {self.timeout:.0f} s") from None
-            raise GenerationError(f"cannot reach {self.url}: {e.details()}") from None
+                raise GenerationError(f"no final response from {self.url} within {self.timeout:g} s") from None
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                raise GenerationError(f"cannot reach {self.url}: {e.details()}") from None
+            raise GenerationError(f"{self.url}: {e.code().name}: {e.details()}") from None
         finally:
             responses.cancel()  # a stream left early cancels its request on the server; after the end, a no-op
 

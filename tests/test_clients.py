@@ -45,6 +45,12 @@ def test_a_server_that_is_not_there_is_a_clear_error_not_a_hang():
             LLMClient(url, protocol, timeout=30).generate(PROMPT, max_tokens=3)
 
 
+def test_a_request_past_its_deadline_is_a_clear_error_and_the_server_keeps_serving(triton):
+    with pytest.raises(GenerationError, match=r"^no final response from .* within 0.3 s"):
+        LLMClient(triton.grpc_url, timeout=0.3).generate(PROMPT, max_tokens=1500, min_tokens=1500)
+    assert len(LLMClient(triton.grpc_url).generate(PROMPT, max_tokens=4).token_ids) == 4
+
+
 class RequestFailed(Exception):
     """The server answered the request with an error."""
 
