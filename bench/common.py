@@ -262,7 +262,7 @@ EVAL_WINDOW = 512
 
 def eval_windows(stream: np.ndarray, count: int | None, window: int = EVAL_WINDOW) -> np.ndarray:
     """The first `count` (None: all) consecutive non-overlapping windows of window + 1 tokens
-    from the held-out stream: bench.train's perplexity windows, less its last partial one."""
+    from the held-out stream: export.train's perplexity windows, less its last partial one."""
     available = (len(stream) - 1) // window
     n = available if count is None else min(count, available)
     return np.stack([stream[i * window:i * window + window + 1] for i in range(n)])

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from bench.soak import served_repository
-    from runtime.triton_server import TritonServer, free_ports
+    from launcher.harness import TritonServer, free_ports
 
     repo = served_repository(args.model, args.work)
     http, grpc, metrics, triton_http = free_ports(4)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from bench.common import (Params, eval_windows, generate, greedy_agreement, held_out_prompts, interleaved_steps,
                           perplexity, runnable_kv_dtypes, say, summary_ms)
-from bench.train import held_out_tokens
+from export.train import held_out_tokens
 from kvforge.manifest import KV_DTYPES, Manifest, ModelSpec, kv_bytes_per_token
 
 GREEDY_ROWS = 8
@@ -45,7 +45,7 @@ def quality(runner, reference: dict | None, material: dict, new_tokens: int) -> 
 
 
 def run(params: Params, artifacts) -> dict:
-    from runtime.runner import open_runner
+    from runtime.runners import open_runner
 
     benchmark_spec = Manifest.load(artifacts.export(params.model, "inplace", "fp32")).model
     material = quality_setup(params, artifacts)

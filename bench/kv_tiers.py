@@ -233,8 +233,8 @@ def drop_page_cache() -> bool:
 
 def run(params: Params, artifacts) -> dict:
     from runtime.llm_engine import LLMEngine
-    from runtime.redis_server import RedisServer
-    from runtime.triton_server import free_ports
+    from launcher.redis_server import RedisServer
+    from launcher.harness import free_ports
 
     s = shape(params.quick)
     model, engine_dir, texts = section_engine(params, artifacts)

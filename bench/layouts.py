@@ -90,7 +90,7 @@ def capacities(runner, context: int) -> list[int | None]:
 
 def memory_sweep(export_dir: str, rows: int, contexts: tuple[int, ...], threads: int) -> dict:
     """Peak RSS and observed bytes per step for one layout and batch (runs in a child process)."""
-    from runtime.runner import open_runner
+    from runtime.runners import open_runner
 
     runner = open_runner(export_dir, threads)
     manifest = runner.manifest
@@ -134,7 +134,7 @@ def step_times(runners: dict, rows: int, contexts: tuple[int, ...], steps: int, 
 
 
 def run(params: Params, artifacts) -> dict:
-    from runtime.runner import open_runner
+    from runtime.runners import open_runner
 
     exports = {layout: artifacts.export(params.model, layout, "fp32") for layout in LAYOUTS}
     runners = {layout: open_runner(exports[layout], params.threads) for layout in LAYOUTS}

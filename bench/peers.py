@@ -70,7 +70,7 @@ class GenAIGraphInOurSession:
 
         import onnxruntime as ort
 
-        from runtime.runner import session_options
+        from runtime.runners.ort import session_options
 
         decoder = json.loads((model_dir / "genai_config.json").read_text())["model"]["decoder"]
         self.layers, self.kv_heads, self.head_dim = (decoder["num_hidden_layers"], decoder["num_key_value_heads"],
@@ -224,7 +224,7 @@ def ttft_section(params: Params, artifacts) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from runtime.runner import open_runner
+    from runtime.runners import open_runner
 
     results = []
     for model in params.peer_models or (params.model,):
@@ -287,7 +287,7 @@ def run(params: Params, artifacts) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from runtime.runner import open_runner
+    from runtime.runners import open_runner
 
     checkpoint = artifacts.checkpoint(params.model)
     exports = {layout: artifacts.export(params.model, layout, "fp32") for layout in ("inplace", "concat")}

@@ -47,7 +47,7 @@ def solo_prefill(runner, ids: np.ndarray, chunk: int = SOLO_PREFILL_TOKENS, ever
     """A prompt prefilled as LLMEngine runs it alone: chunks of `chunk` tokens, each in the
     capacity bucket that fits it (grown by copying, as the KV manager does), logits of the last
     position (every_position: of every position). Returns the number of steps."""
-    from runtime.runner_api import last_positions
+    from runtime.runners.base import last_positions
 
     rows, length = ids.shape
     runner.allocate(rows, runner.bucket_for(min(chunk, length)))
@@ -68,7 +68,8 @@ def profile_step(export_dir: Path, tokens: int, threads: int, every_position: bo
     every position's (scoring)."""
     import onnxruntime as ort
 
-    from runtime.runner import open_runner, session_options
+    from runtime.runners import open_runner
+    from runtime.runners.ort import session_options
 
     runner = open_runner(export_dir, threads)
     vocab = runner.manifest.model.vocab_size

@@ -63,7 +63,7 @@ class Texts:
     def __init__(self, engine_dir):
         from tokenizers import Tokenizer
 
-        from bench.train import split_corpus
+        from export.train import split_corpus
 
         self.tokenizer = Tokenizer.from_file(str(engine_dir / "tokenizer.json"))
         self.ids = [i for enc in self.tokenizer.encode_batch(split_corpus()[1]) for i in enc.ids]
@@ -213,8 +213,8 @@ def copy_cost(engine_dir, s: Shape, prefill_s: float | None) -> dict:
     """Copy-in (pool -> slot) and copy-out (slot -> pool) of a copy_tokens prefix at block sizes
     16 and 64, through the runner's read_blocks / write_blocks and the host pool."""
     from kvforge.manifest import kv_block_spec
-    from runtime.kv_manager import HostBlockPool
-    from runtime.runner import open_runner
+    from runtime.kv.manager import HostBlockPool
+    from runtime.runners import open_runner
 
     runner = open_runner(engine_dir)
     runner.allocate(1, runner.bucket_for(s.copy_tokens + 1))
@@ -256,7 +256,7 @@ def run(params: Params, artifacts) -> dict:
 
     from clients.api import LLMClient
     from runtime.llm_engine import LLMEngine
-    from runtime.triton_server import TritonServer, free_ports
+    from launcher.harness import TritonServer, free_ports
 
     s = shape(params.quick)
     model, engine_dir, texts = section_engine(params, artifacts)

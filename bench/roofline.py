@@ -76,7 +76,7 @@ def decode_weight_bytes(spec: ModelSpec, bytes_per_weight: float = 4) -> int:
 
 
 def run(params: Params, artifacts) -> dict:
-    from runtime.runner import open_runner
+    from runtime.runners import open_runner
 
     runner = open_runner(artifacts.export(params.model, "inplace", "fp32"), params.threads)
     spec = runner.manifest.model

@@ -31,7 +31,7 @@ def prompt_texts(engine_dir: Path, tokens: int, count: int) -> list[str]:
     """`count` held-out source snippets of exactly `tokens` tokens each (re-encoding checked)."""
     from tokenizers import Tokenizer
 
-    from bench.train import split_corpus
+    from export.train import split_corpus
 
     tokenizer = Tokenizer.from_file(str(engine_dir / "tokenizer.json"))
     texts = []
@@ -230,8 +230,8 @@ def _in_process_level(concurrency: int, prompts: list[str], max_tokens: int) -> 
 def run(params: Params, artifacts) -> dict:
     from clients.api import LLMClient
     from kvforge.manifest import Manifest
-    from runtime.limits import DEFAULT_KV_CACHE_BYTES, Limits
-    from runtime.triton_server import TritonServer, free_ports
+    from kvforge.limits import DEFAULT_KV_CACHE_BYTES, Limits
+    from launcher.harness import TritonServer, free_ports
 
     engine_dir = artifacts.engine(artifacts.export(params.model, "inplace", "fp32"), "fp32", params.threads)
     repo = artifacts.root / "model_repository"

@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=ROOT / "build" / "soak")
     args = parser.parse_args(argv)
 
-    from runtime.triton_server import TritonServer, free_ports
+    from launcher.harness import TritonServer, free_ports
 
     repo = served_repository(args.model, args.work)
     http, grpc, metrics = free_ports(3)

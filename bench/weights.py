@@ -12,7 +12,7 @@ WEIGHT_MODES = ("fp32", "int8", "int4")
 
 
 def run(params: Params, artifacts) -> dict:
-    from runtime.runner import open_runner
+    from runtime.runners import open_runner
 
     speed_export = artifacts.export(params.model, "inplace", "fp32")
     quality_export = artifacts.export(params.quality_model, "inplace", "fp32")

@@ -58,7 +58,7 @@ def parity_drift(export_dir: Path, engine_dir: Path) -> tuple[float, float]:
     """(max abs logit difference, logit range of the export) on a fixed prefill (every position,
     as scoring asks) + decode."""
     from runtime.greedy import Greedy
-    from runtime.runner import open_runner
+    from runtime.runners import open_runner
 
     manifest = Manifest.load(export_dir)
     rng = np.random.default_rng(0)

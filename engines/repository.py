@@ -7,7 +7,7 @@ decoder step with dynamic batching: logits of every position, for scoring), and 
 that forward to `llm` without a second engine: `ensemble` and `tensorrt_llm_bls` (the model
 names TensorRT-LLM clients default to, same inputs as `llm`) and `vllm_model` (the vLLM
 backend's convention: max_batch_size 0, `sampling_parameters` as JSON). Batch sizes, queue
-bounds and instance kinds come from runtime.limits, so Triton and the runtime agree. The engine
+bounds and instance kinds come from kvforge.limits, so Triton and the runtime agree. The engine
 dir is recorded relative to the repository: repository and engine move together (e.g. into a
 docker image). The committed model.py files are copied when DIR is not this checkout's
 model_repository.
@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
 
 from kvforge.cli import fail_cleanly
 from kvforge.manifest import Manifest, ManifestError
-from runtime.limits import DEFAULT_KV_CACHE_BYTES, Limits
+from kvforge.limits import DEFAULT_KV_CACHE_BYTES, Limits
 
 DEFAULT_ENGINE_DIR = Path("model_repository/llm/1/engine")
 MODEL_SOURCES = Path(__file__).resolve().parents[1] / "model_repository"
@@ -163,6 +164,15 @@ def write_repository(engine_dir: Path, repo: Path, slots: int | None = None,
         if source.resolve() != (version / "model.py").resolve():
             shutil.copyfile(source, version / "model.py")
         (repo / name / "config.pbtxt").write_text(config)
+
+
+def engine_dir_of(repo: Path, model: str) -> Path:
+    """The engine dir the llm model's config.pbtxt names (relative to the repository)."""
+    config = (repo / model / "config.pbtxt").read_text()
+    found = re.search(r'key: "engine_dir" value: \{ string_value: "([^"]+)" \}', config)
+    if not found:
+        raise ValueError(f"{repo / model / 'config.pbtxt'} names no engine_dir; run `python -m engines repository`")
+    return (repo / found.group(1)).resolve()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,7 @@ QMAX = 127.0
 
 
 def calibration_ids(checkpoint: Path, tokens: int = CALIBRATION_TOKENS) -> torch.Tensor:
-    """[1, tokens] ids of the first standard library files (bench/train.py trains on these too;
+    """[1, tokens] ids of the first standard library files (export/train.py trains on these too;
     its held-out files come later in the same order)."""
     tokenizer = Tokenizer.from_file(str(Path(checkpoint) / "tokenizer.json"))
     ids: list[int] = []

@@ -65,7 +65,7 @@ def hf_logits(model, tokens: list[int]) -> np.ndarray:
 
 def verify(directory: Path, steps: int = 32, seed: int = 0) -> Report:
     from runtime.greedy import Greedy
-    from runtime.runner import open_runner
+    from runtime.runners import open_runner
 
     manifest = Manifest.load(directory)
     reference = reference_model(manifest)

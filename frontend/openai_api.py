@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -33,8 +32,9 @@ from tritonclient.utils import InferenceServerException
 
 from frontend.chat_template import ChatTemplate, ChatTemplateError
 from frontend.config import FrontConfig
+from engines.repository import engine_dir_of
 from kvforge.manifest import Manifest
-from runtime.sampling import quote
+from kvforge.errors import quote
 from runtime.tokenizer import Tokenizer
 
 MAX_CHOICES = 8  # n per request: each choice occupies an engine slot
@@ -207,15 +207,6 @@ def triton_error(error: InferenceServerException) -> APIError:
 
 
 # ---------------------------------------------------------------------- the app
-
-def engine_dir_of(repo: Path, model: str) -> Path:
-    """The engine dir the llm model's config.pbtxt names (relative to the repository)."""
-    config = (repo / model / "config.pbtxt").read_text()
-    found = re.search(r'key: "engine_dir" value: \{ string_value: "([^"]+)" \}', config)
-    if not found:
-        raise ValueError(f"{repo / model / 'config.pbtxt'} names no engine_dir; run `python -m engines repository`")
-    return (repo / found.group(1)).resolve()
-
 
 class OpenAIServer:
     def __init__(self, config: FrontConfig):

@@ -24,8 +24,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from frontend.config import FrontConfig
-from runtime.sampling import quote
-from runtime.triton_server import append_json_line
+from kvforge.errors import quote
+from kvforge.jsonlog import append_json_line
 
 UNAVAILABLE = "UNAVAILABLE:"  # how the llm model starts a queue-full error (the documented prefix)
 RETRY_AFTER_SECONDS = 1

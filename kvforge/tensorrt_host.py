@@ -1,5 +1,5 @@
 """Facts about a TensorRT host, shared by the engine builder (engines/tensorrt_build.py) and the
-serving runner (runtime/tensorrt_runner.py): is TensorRT usable here, which TensorRT and GPU a
+serving runner (runtime/runners/trt.py): is TensorRT usable here, which TensorRT and GPU a
 plan is tied to, and a logger that keeps TensorRT's errors. Imports TensorRT only when called.
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.runner_api import Runner, last_positions
+from runtime.runners.base import Runner, last_positions
 
 
 class Greedy:

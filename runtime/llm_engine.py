@@ -14,20 +14,28 @@ import dataclasses
 import itertools
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
 from kvforge.manifest import Manifest, ManifestError, cache_namespace
-from runtime.kv_manager import MAX_CACHE_SALT_BYTES, HostBlockPool, KVManager, default_kv_host_bytes
-from runtime.kv_tiers import BlockCodec, DiskTier, LowerTiers, RedisTier
-from runtime.limits import DEFAULT_KV_CACHE_BYTES, Limits
-from runtime.runner import open_runner
-from runtime.sampling import RequestError, SamplingParams
-from runtime.scheduler import PREFILL_TOKENS, SOLO_PREFILL_TOKENS, QueueFullError, Scheduler
+from kvforge.block_hash import MAX_CACHE_SALT_BYTES
+from kvforge.errors import EngineError, QueueFullError, RequestError
+from kvforge.limits import DEFAULT_KV_CACHE_BYTES, Limits
+from runtime.kv.block_pool import HostBlockPool, default_kv_host_bytes
+from runtime.kv.manager import KVManager
+from runtime.kv.tiers.codec import BlockCodec
+from runtime.kv.tiers.disk import DiskTier
+from runtime.kv.tiers.lower import LowerTiers
+from runtime.kv.tiers.redis import RedisTier
+from runtime.runners import open_runner
+from runtime.runners.base import Batch, last_positions
+from runtime.sampling import SamplingParams
+from runtime.scheduler import PREFILL_TOKENS, SOLO_PREFILL_TOKENS, Scheduler
 from runtime.sequence import RequestOutput, Sequence
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
-__all__ = ["LLMEngine", "RequestError", "QueueFullError", "RequestOutput", "SamplingParams"]
+__all__ = ["LLMEngine", "RequestOutput", "SamplingParams"]
 
 log = logging.getLogger("kvforge.engine")
 DEFAULT_KV_DISK_BYTES = 8 << 30
@@ -71,9 +79,9 @@ class LLMEngine:
             if kv_disk_bytes <= 0 or (kv_redis_ttl is not None and kv_redis_ttl <= 0):
                 raise ValueError("kv_disk_bytes and kv_redis_ttl must be > 0")
             codec = BlockCodec(self.runner.block, namespace)
-            self.tiers = LowerTiers(codec, DiskTier(Path(kv_disk_dir), kv_disk_bytes, codec) if kv_disk_dir else None,
-                                    RedisTier(kv_redis_url, codec, kv_redis_ttl) if kv_redis_url else None,
-                                    wake=self._wake)
+            tiers = [DiskTier(Path(kv_disk_dir), kv_disk_bytes, codec)] if kv_disk_dir else []
+            tiers += [RedisTier(kv_redis_url, codec, kv_redis_ttl)] if kv_redis_url else []
+            self.tiers = LowerTiers(codec, tiers, wake=self._wake)
         self.kv = KVManager(self.runner, self.limits.slots, self.limits.kv_cache_bytes, pool, namespace, self.tiers,
                             optimistic=admission == "optimistic")
         self.scheduler = Scheduler(self.runner, self.kv, self.limits.max_waiting, prefill_tokens,
@@ -126,7 +134,7 @@ class LLMEngine:
                                "lower max_tokens or shorten the prompt")
         with self._cond:
             if self._closed:
-                raise RequestError("the engine is shut down")
+                raise EngineError("the engine is shut down")
             self.scheduler.add(seq)
             self._cond.notify()
         return seq.request_id
@@ -203,9 +211,7 @@ class LLMEngine:
                 with self._cond:
                     outputs, batch = self.scheduler.schedule()
                 if batch is not None:
-                    logits = self.scheduler.execute(batch)
-                    with self._cond:
-                        outputs += self.scheduler.postprocess(batch, logits)
+                    outputs += self._step(batch)
                 elif not outputs:  # only loads are pending: sleep until one ends (or a deadline passes)
                     with self._cond:
                         self._cond.wait(LOAD_POLL_SECONDS)
@@ -218,6 +224,15 @@ class LLMEngine:
             s = self.scheduler
             outputs = [(seq, seq.finish("error", "the engine shut down")) for seq in [*s.waiting, *s.running]]
         self._emit(outputs)
+
+    def _step(self, batch: Batch) -> list[tuple[Sequence, RequestOutput]]:
+        """Run one batch: the only work done without the lock (it touches nothing but the runner)."""
+        began = time.perf_counter()
+        logits = self.runner.step(batch.input_ids, batch.write_positions, batch.num_new, last_positions(batch.num_new))
+        seconds = time.perf_counter() - began
+        with self._cond:
+            self.scheduler.measured(batch, seconds)
+            return self.scheduler.postprocess(batch, logits)
 
     @staticmethod
     def _emit(outputs: list[tuple[Sequence, RequestOutput]]) -> None:

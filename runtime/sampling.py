@@ -15,20 +15,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvforge.errors import RequestError, quote
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_PENALTY = 2.0  # presence/frequency penalties, OpenAI's range [-2, 2]
-
-
-class RequestError(ValueError):
-    """A request that cannot be served as given; the message says what to change."""
-
-
-def quote(value, limit: int = 80) -> str:
-    """What an error may echo of user input: at most `limit` characters, and its length."""
-    text = value if isinstance(value, str) else repr(value)
-    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 @dataclass(frozen=True)

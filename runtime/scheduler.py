@@ -1,5 +1,6 @@
-"""Continuous batching over the runner's KV slots: the policy of what runs next. The KV manager
-(runtime/kv_manager.py) moves rows, sizes buffers and copies prefix-cache blocks in and out.
+"""Continuous batching over the runner's KV slots: the policy of what runs next. It only decides;
+the KV manager (runtime/kv/manager.py) moves rows, sizes buffers and copies prefix-cache blocks
+in and out, and the engine (runtime/llm_engine.py) runs each step: schedule -> run -> postprocess.
 
 Running sequences occupy runner rows 0..n-1 (`running[i]` is row i). Between steps, finished
 and cancelled sequences leave (the last row moves into the hole) and waiting ones join. Every
@@ -37,9 +38,9 @@ from collections import deque
 
 import numpy as np
 
-from runtime.kv_manager import KVManager
-from runtime.runner_api import Batch, Runner, last_positions
-from runtime.sampling import RequestError
+from kvforge.errors import QueueFullError
+from runtime.kv.manager import KVManager
+from runtime.runners.base import Batch, Runner
 from runtime.sequence import RequestOutput, Sequence, Status
 
 MIX_PADDING_TOKENS = 16
@@ -49,10 +50,6 @@ SOLO_PREFILL_TOKENS = 512
 # estimated to take (from the measured prefill rate), but never less than this (thread hand-offs);
 # before any prefill was measured, up to the longer bound.
 LOAD_DEADLINE_FLOOR, LOAD_DEADLINE_UNMEASURED = 0.01, 2.0
-
-
-class QueueFullError(RequestError):
-    """The waiting queue is at its bound; the client should retry later."""
 
 
 class Scheduler:
@@ -219,21 +216,15 @@ class Scheduler:
         self.kv.fit_capacity(max(s.num_cached for s in seqs) + width, len(self.running))
         return Batch.of(kind, seqs, width)
 
-    # ------------------------------------------------------------------ the step
+    # ------------------------------------------------------------------ after a step
 
-    def execute(self, batch: Batch) -> np.ndarray:
-        """The only call the engine makes without its lock: it touches nothing but the runner
-        (and the measured prefill rate, one float)."""
-        began = time.perf_counter()
-        logits = self.runner.step(batch.input_ids, batch.write_positions, batch.num_new,
-                                  last_positions(batch.num_new))
+    def measured(self, batch: Batch, seconds: float) -> None:
+        """How long the runner took for `batch`: prefill steps give the rate that tells loading a
+        prefix from disk / Redis from recomputing it."""
         if batch.kind == "prefill":
-            rate = int(batch.num_new.sum()) / max(time.perf_counter() - began, 1e-6)
+            rate = int(batch.num_new.sum()) / max(seconds, 1e-6)
             old = self.prefill_tokens_per_second
             self.prefill_tokens_per_second = rate if old is None else 0.7 * old + 0.3 * rate
-        return logits
-
-    # ------------------------------------------------------------------ after a step
 
     def postprocess(self, batch: Batch, logits: np.ndarray) -> list[tuple[Sequence, RequestOutput]]:
         rows = len(batch.num_new)

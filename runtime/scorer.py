@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.runner import open_runner
-from runtime.sampling import RequestError
+from runtime.runners import open_runner
+from kvforge.errors import RequestError
 
 
 class Scorer:

@@ -46,7 +46,7 @@ def triton(exports, tmp_path_factory):
     repository (`llm`, its aliases, `step`) for the tiny export.
     The preset's whole context lets a request run long enough to be cancelled mid-generation."""
     from engines.repository import write_repository
-    from runtime.triton_server import TritonServer, free_ports
+    from launcher.harness import TritonServer, free_ports
 
     repo = tmp_path_factory.mktemp("model_repository")
     write_repository(exports(max_seq_len=SERVING_CONTEXT), repo, slots=SERVING_SLOTS)

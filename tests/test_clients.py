@@ -19,7 +19,7 @@ from tritonclient.utils import np_to_triton_dtype
 from clients.api import GenerationError, LLMClient
 from kvforge.manifest import Manifest
 from runtime.tokenizer import Tokenizer
-from runtime.triton_server import free_ports
+from launcher.harness import free_ports
 from tests.conftest import SERVING_CONTEXT
 
 PROMPT = "def fibonacci(n):"

@@ -13,9 +13,10 @@ import pytest
 from onnxruntime import OrtValue
 
 from kvforge.manifest import Manifest, ManifestError
-from runtime import runner as runner_module
+from runtime.runners import ort as ort_runner
 from runtime.greedy import Greedy
-from runtime.runner import OrtInplaceRunner, open_runner
+from runtime.runners import open_runner
+from runtime.runners.ort import OrtInplaceRunner
 from tests.conftest import run_cli
 
 PROMPTS = {"a": [5, 17, 300, 42, 9, 77, 1000], "b": [8, 9], "c": [1200, 3, 4, 5, 6], "d": [33, 34, 35, 36]}
@@ -77,7 +78,7 @@ def test_continuous_batching_matches_solo_runs(exports, dtype):
 def _step_logging_inplace_warnings(directory, capfd, alias: bool):
     r = open_runner(directory)
     r.allocate(2, 64)
-    opts = runner_module.session_options(1)
+    opts = ort_runner.session_options(1)
     opts.log_severity_level = 1  # TensorScatter warns when it has to copy the buffer
     r.session = ort.InferenceSession(str(directory / "model.onnx"), opts)
     pointers = r.data_pointers()

@@ -24,7 +24,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from clients.api import GenerationError, LLMClient
-from runtime.triton_server import STUB_NAME, TritonServer, free_ports
+from launcher.harness import TritonServer, free_ports
+from launcher.tritonserver import STUB_NAME
 from tests.conftest import SERVING_CONTEXT
 
 PROMPT = "def fibonacci(n):"
@@ -178,7 +179,7 @@ def test_control_apis_need_the_key_and_the_rest_stays_open(service):
 
 
 def test_control_apis_stay_restricted_on_every_host():
-    from runtime.triton_server import TritonProcess
+    from launcher.tritonserver import TritonProcess
 
     command = TritonProcess(Path("repo"), "0.0.0.0", 1, 2, 3, "k" * 20, Path("log"), {}).command(Path("b"))
     restricted = "model-repository,logging,trace,shared-memory:kvforge-key=" + "k" * 20

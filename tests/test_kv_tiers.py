@@ -15,10 +15,12 @@ import numpy as np
 import pytest
 
 from kvforge.manifest import Manifest, cache_namespace, kv_block_spec
-from runtime.kv_tiers import SUFFIX, BlockCodec, DiskTier, RedisTier
+from runtime.kv.tiers.codec import BlockCodec
+from runtime.kv.tiers.disk import SUFFIX, DiskTier
+from runtime.kv.tiers.redis import RedisTier
 from runtime.llm_engine import LLMEngine, SamplingParams
-from runtime.redis_server import RedisServer
-from runtime.triton_server import free_ports
+from launcher.redis_server import RedisServer
+from launcher.harness import free_ports
 
 RNG = np.random.default_rng(7)
 DOCUMENT = RNG.integers(3, 4000, 300).tolist()  # 18 full blocks and a partial one
@@ -89,15 +91,15 @@ def test_disk_budget_is_lru_and_a_restart_rebuilds_the_index(codec, tmp_path):
     disk = DiskTier(tmp_path, 3 * entry, codec)
     hashes = [bytes([i]) * 16 for i in range(4)]
     for i, h in enumerate(hashes[:3]):
-        disk.put(h, codec.encode(h, random_block(codec, i)))
-    assert disk.get(hashes[0]) is not None  # now the most recently used
-    disk.put(hashes[3], codec.encode(hashes[3], random_block(codec, 3)))
+        disk.put_many([(h, codec.encode(h, random_block(codec, i)))])
+    assert len(disk.get_many(hashes[:1])) == 1  # now the most recently used
+    disk.put_many([(hashes[3], codec.encode(hashes[3], random_block(codec, 3)))])
     assert [disk.contains(h) for h in hashes] == [True, False, True, True]
     assert disk.stats.counters["evicted_blocks"] == 1 and disk.bytes_used == 3 * entry
     files = sorted(p.name for p in disk.dir.iterdir())
     assert files == sorted(h.hex() + SUFFIX for h in (hashes[0], hashes[2], hashes[3]))  # no temporary left
     restarted = DiskTier(tmp_path, 3 * entry, codec)
-    assert same_block(restarted.get(hashes[3]), random_block(codec, 3))
+    assert same_block(restarted.get_many([hashes[3]])[0], random_block(codec, 3))
     assert restarted.bytes_used == 3 * entry
 
 
@@ -105,14 +107,14 @@ def test_corrupt_and_truncated_files_are_misses_removed_and_counted(codec, tmp_p
     disk = DiskTier(tmp_path, 1 << 30, codec)
     bad_checksum, truncated = b"c" * 16, b"t" * 16
     for h in (bad_checksum, truncated):
-        disk.put(h, codec.encode(h, random_block(codec)))
+        disk.put_many([(h, codec.encode(h, random_block(codec)))])
     path = disk.dir / (bad_checksum.hex() + SUFFIX)
     raw = bytearray(path.read_bytes())
     raw[-5] ^= 0xFF
     path.write_bytes(bytes(raw))
     short = disk.dir / (truncated.hex() + SUFFIX)
     short.write_bytes(short.read_bytes()[:100])
-    assert disk.get(bad_checksum) is None and disk.get(truncated) is None
+    assert disk.get_many([bad_checksum]) == [] and disk.get_many([truncated]) == []
     assert not path.exists() and not short.exists()
     assert disk.stats.counters["corrupt_blocks"] == 2 and not disk.contains(bad_checksum)
 
@@ -120,16 +122,16 @@ def test_corrupt_and_truncated_files_are_misses_removed_and_counted(codec, tmp_p
 FULL_DISK_SCRIPT = textwrap.dedent("""
     import json, logging, sys
     import numpy as np
-    from runtime.kv_tiers import DiskTier
+    from runtime.kv.tiers.disk import DiskTier
     from tests.test_kv_tiers import random_block
     from kvforge.manifest import Manifest, cache_namespace, kv_block_spec
-    from runtime.kv_tiers import BlockCodec
+    from runtime.kv.tiers.codec import BlockCodec
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     manifest = Manifest.load(sys.argv[2])
     codec = BlockCodec(kv_block_spec(manifest), cache_namespace(manifest))
     disk = DiskTier(sys.argv[1], 1 << 30, codec)  # the budget is larger than the filesystem
     for i in range(64):
-        disk.put(i.to_bytes(16, "little"), codec.encode(i.to_bytes(16, "little"), random_block(codec, i)))
+        disk.put_many([(i.to_bytes(16, "little"), codec.encode(i.to_bytes(16, "little"), random_block(codec, i)))])
     print(json.dumps(dict(enabled=disk.enabled, stored=len(disk.index), errors=disk.stats.counters["errors"])))
 """)
 
@@ -268,7 +270,7 @@ class EnvironmentOf:
 
 
 def start_replica(repo, **env):
-    from runtime.triton_server import TritonServer
+    from launcher.harness import TritonServer
 
     http, grpc, metrics = free_ports(3)
     server = TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics)
@@ -386,10 +388,10 @@ def test_a_request_loads_from_a_paused_redis_while_the_batch_keeps_decoding(fp32
 def test_a_full_write_queue_drops_and_counts_and_a_stop_drains_the_rest(codec, redis_server):
     import redis
 
-    from runtime.kv_tiers import LowerTiers
+    from runtime.kv.tiers.lower import LowerTiers
 
     control = redis.Redis.from_url(redis_server.url)
-    tiers = LowerTiers(codec, None, RedisTier(redis_server.url, codec), wake=lambda: None, queue_blocks=4)
+    tiers = LowerTiers(codec, [RedisTier(redis_server.url, codec)], wake=lambda: None, queue_blocks=4)
     control.execute_command("CLIENT", "PAUSE", 500, "ALL")  # the writer stalls on its first batch
     blocks = random_block(codec)
     hashes = [i.to_bytes(16, "little") for i in range(12)]

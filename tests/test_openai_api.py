@@ -15,7 +15,7 @@ import uvicorn
 from clients.api import LLMClient
 from frontend.config import FrontConfig
 from frontend.openai_api import create_openai_app, engine_dir_of
-from runtime.triton_server import free_ports
+from launcher.harness import free_ports
 
 PROMPT = "def fibonacci(n):"
 

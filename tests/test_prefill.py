@@ -7,8 +7,8 @@ import onnx
 import pytest
 
 from kvforge.manifest import Manifest
-from runtime.runner import open_runner
-from runtime.runner_api import last_positions
+from runtime.runners import open_runner
+from runtime.runners.base import last_positions
 
 LENGTHS = (37, 5, 64, 1)  # right-padded rows of different lengths, one of a single token
 CHUNK = 24  # prompts go in chunks, so a chunk's last real position differs per row

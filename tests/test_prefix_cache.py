@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from kvforge.manifest import Manifest, cache_namespace, kv_block_spec
-from runtime.kv_manager import HostBlockPool, KVManager, block_hash, root_hash
-from runtime.llm_engine import LLMEngine, RequestError, SamplingParams
-from runtime.runner import open_runner
+from runtime.kv.manager import HostBlockPool, KVManager, block_hash, root_hash
+from kvforge.errors import RequestError
+from runtime.llm_engine import LLMEngine, SamplingParams
+from runtime.runners import open_runner
 from runtime.sequence import Sequence
 from tests.test_runtime import reference_greedy
 
@@ -298,7 +299,7 @@ POOL_BYTES = 64 << 20
 def server(exports, tmp_path_factory):
     """A server of our own: the launcher hands its control key and the pool budget to the model."""
     from engines.repository import write_repository
-    from runtime.triton_server import TritonServer, free_ports
+    from launcher.harness import TritonServer, free_ports
 
     repo = tmp_path_factory.mktemp("prefix_repository")
     write_repository(exports(), repo, slots=4)

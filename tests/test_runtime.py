@@ -7,8 +7,9 @@ import threading
 import pytest
 
 from runtime.greedy import greedy_tokens
-from runtime.llm_engine import LLMEngine, QueueFullError, RequestError, SamplingParams
-from runtime.runner import open_runner
+from kvforge.errors import QueueFullError, RequestError
+from runtime.llm_engine import LLMEngine, SamplingParams
+from runtime.runners import open_runner
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvforge.manifest import Manifest
 

@@ -16,7 +16,7 @@ import tritonclient.http as httpclient
 from clients.api import GenerationError, LLMClient
 from kvforge.manifest import Manifest
 from runtime.llm_engine import LLMEngine, SamplingParams
-from runtime.runner import open_runner
+from runtime.runners import open_runner
 from tests.conftest import SERVING_CONTEXT, SERVING_SLOTS
 
 PROMPT = "def fibonacci(n):"

@@ -14,8 +14,9 @@ from engines import trt_ops
 from engines.tensorrt_build import build, cast_weights, pin_capacity, profile_shapes
 from kvforge.manifest import Manifest, ManifestError, kv_pairs
 from kvforge.tensorrt_host import check_engine_match, missing_requirement, read_plan
-from runtime.runner import OrtInplaceRunner, open_runner
-from runtime.tensorrt_runner import TensorRTRunner
+from runtime.runners import open_runner
+from runtime.runners.ort import OrtInplaceRunner
+from runtime.runners.trt import TensorRTRunner
 from tests.conftest import run_cli
 
 MISSING = missing_requirement()

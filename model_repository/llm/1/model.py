@@ -26,10 +26,11 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from runtime.llm_engine import LLMEngine, QueueFullError, RequestError, SamplingParams
+from kvforge.errors import QueueFullError, RequestError
+from kvforge.jsonlog import append_json_line
+from runtime.llm_engine import LLMEngine, SamplingParams
 from runtime.sequence import RequestOutput
-from runtime.triton_requests import either, identity_only, one_value, refuse_unknown_parameters, strings, utf8
-from runtime.triton_server import append_json_line
+from triton_models.requests import either, identity_only, one_value, refuse_unknown_parameters, strings, utf8
 
 # is_cancelled() is a round trip to the server, as is every send and metric update, so a
 # generating request is asked when one of its outputs goes out (once per engine step, the soonest

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from runtime.sampling import RequestError
+from kvforge.errors import RequestError
 from runtime.scorer import Scorer
 
 

@@ -10,9 +10,9 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from runtime.forwarding import FINAL, Forwarder, error
-from runtime.sampling import RequestError
-from runtime.triton_requests import one_value, refuse_unknown_parameters
+from triton_models.forwarding import FINAL, Forwarder, error
+from kvforge.errors import RequestError
+from triton_models.requests import one_value, refuse_unknown_parameters
 
 
 def send(sender, response, final) -> bool:

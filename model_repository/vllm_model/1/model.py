@@ -12,9 +12,9 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from runtime.forwarding import FINAL, Forwarder, error, tensor_value
-from runtime.sampling import RequestError, quote
-from runtime.triton_requests import one_value, request_parameters
+from triton_models.forwarding import FINAL, Forwarder, error, tensor_value
+from kvforge.errors import RequestError, quote
+from triton_models.requests import one_value, request_parameters
 
 NAME = "vllm_model"
 # vLLM sampling parameter -> (llm input, numpy dtype, coercion of vLLM's string values)

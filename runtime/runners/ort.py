@@ -1,12 +1,11 @@
-"""The ONNX Runtime runners and `open_runner`, which picks a runner from an engine's manifest.
+"""The ONNX Runtime runners.
 
 - OrtInplaceRunner: fixed-capacity buffers, the same memory bound as past input and present
   output through IOBinding, so ONNX Runtime's TensorScatter writes the new K/V in place.
   Capacity lives in buckets, 4 per power of two (attention cost follows capacity on ORT CPU).
 - OrtConcatRunner: the Optimum-style layout, present = concat(past, new), for comparison.
-- TensorRTRunner (runtime/tensorrt_runner.py): the in-place layout on a GPU.
 
-The interface they share is runtime/runner_api.py.
+The interface they share is runtime/runners/base.py.
 """
 from __future__ import annotations
 
@@ -15,8 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
+from kvforge import env
 from kvforge.manifest import Manifest, ManifestError, kv_buffer_shape, kv_pairs
-from runtime.runner_api import Blocks, Runner, as_blocks, as_tokens
+from runtime.runners.base import Blocks, Runner, as_blocks, as_tokens
 
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "uint8": np.uint8}
 
@@ -26,7 +26,7 @@ def session_options(threads: int | None = None):
 
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    opts.intra_op_num_threads = threads or int(os.environ.get("KVFORGE_THREADS", 0)) or (os.cpu_count() or 1)
+    opts.intra_op_num_threads = threads or env.threads() or (os.cpu_count() or 1)
     opts.inter_op_num_threads = 1
     opts.log_severity_level = 3
     # Idle intra-op threads sleep instead of spinning: a served engine shares its cores with
@@ -191,25 +191,3 @@ class OrtConcatRunner(_OrtRunner):
     @property
     def kv_bytes_allocated(self):
         return sum(b.nbytes for b in self.past.values())
-
-
-def open_runner(engine_dir: Path, threads: int | None = None) -> Runner:
-    """The runner for an engine or export directory, chosen from its manifest."""
-    engine_dir = Path(engine_dir)
-    manifest = Manifest.load(engine_dir)
-    backend = manifest.engine.get("backend", "onnxruntime")
-    if backend == "tensorrt":
-        from runtime.tensorrt_runner import TensorRTRunner
-
-        return TensorRTRunner(manifest, engine_dir / manifest.engine["file"])
-    import onnxruntime
-
-    built_with = manifest.engine.get("onnxruntime_version")
-    if built_with and built_with != onnxruntime.__version__:
-        raise ManifestError(f"engine {engine_dir} was built with ONNX Runtime {built_with} but this runtime "
-                            f"is {onnxruntime.__version__}; rebuild it with `make build-engines`")
-    path = engine_dir / manifest.engine.get("file", manifest.onnx_file)
-    if not path.is_file():
-        raise ManifestError(f"{path} is missing; rebuild with `make build-engines`")
-    cls = OrtInplaceRunner if manifest.kv_layout == "inplace" else OrtConcatRunner
-    return cls(manifest, path, threads or manifest.engine.get("threads"))

@@ -1,160 +1,34 @@
-"""KV memory, in real bytes: the runner's slot buffers and a host RAM pool of KV blocks that
-makes repeated prompt prefixes free (automatic prefix caching).
+"""KV memory, in real bytes: the runner's slot buffers, the prefix cache over the host block
+pool (runtime/kv/block_pool.py), loads from the tiers below it, and swapping whole rows out
+when running sequences outgrow the budget.
 
 Slot buffers. Running sequences occupy runner rows 0..n-1; the runner allocates `rows x
 capacity` and this manager keeps that within `kv_cache_bytes`: a sequence is admitted only if
-the rows (a power of two, at most `slots`) at the capacity bucket of the longest promise
-(prompt + max_tokens) still fit. Nothing then needs preempting, and utilization is what the
+the rows (a power of two, at most `slots`) at the capacity bucket of what it needs still fit -
+its promise (prompt + max_tokens) under "reserve" admission, what it holds now under
+"optimistic" admission, where a batch that outgrows the budget preempts its youngest sequence
+(swapped to the host pool within SWAP_RESERVE of it, else recomputed). Utilization is what the
 process really holds over the budget.
 
-Block pool. A block is KV_BLOCK_TOKENS positions of every cache tensor, exactly as the slot
-holds them (int8/int4 scales included; kvforge.manifest.KVBlockSpec). Full blocks are named by a
-hash chain, blake2b(parent hash, the block's token ids), whose root is the cache namespace
-(model, weights, KV dtype, layout, block size, format) and an optional per-request salt, so
-the names are the same in every process and a salted request never meets another tenant's
-blocks. Block ids are rows of per-tensor host arrays sized by `--kv-host-bytes`. A running
-sequence holds a reference on the blocks it loaded or stored; blocks nobody references stay
-cached and are evicted least recently released first (a sequence releases its tail first, so a
-shared head outlives the tails). Identical blocks are stored once.
-
-On admission the longest cached prefix of full blocks (never the last prompt token: its logits
-are needed) is copied into the row, and prefill starts after it. A request whose next blocks are
-being computed by a running sequence waits for them instead of computing them again.
+Prefix cache. On admission the longest cached prefix of full blocks (never the last prompt
+token: its logits are needed) is copied into the row, and prefill starts after it. A request
+whose next blocks are being computed by a running sequence waits for them instead of computing
+them again. Filled blocks are copied out to the pool after each step (and written behind to
+the lower tiers).
 """
 from __future__ import annotations
 
-import hashlib
-import os
 import time
-from collections import OrderedDict
 
 import numpy as np
 
-from kvforge.manifest import KVBlockSpec
-from runtime.kv_tiers import LowerTiers
-from runtime.runner_api import Blocks, Runner
+from kvforge.block_hash import block_hash, root_hash
+from runtime.kv.block_pool import HostBlockPool
+from runtime.kv.tiers.lower import LowerTiers
+from runtime.runners.base import Runner
 from runtime.sequence import Sequence
 
 SWAP_RESERVE = 0.5  # share of the host pool that swapped-out rows may take; beyond it, preempt by recompute
-HASH_BYTES = 16  # 128-bit names: no collision between the blocks of any realistic cache
-MAX_CACHE_SALT_BYTES = 256
-# Default pool budget: a quarter of the machine's RAM, at most 8 GiB (pages are committed only
-# as blocks are stored).
-DEFAULT_HOST_FRACTION, DEFAULT_HOST_CAP = 4, 8 << 30
-
-
-def default_kv_host_bytes() -> int:
-    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return min(DEFAULT_HOST_CAP, ram // DEFAULT_HOST_FRACTION)
-
-
-def root_hash(namespace: bytes, salt: bytes | None) -> bytes:
-    """The chain's parent for block 0: the namespace, and the salt when there is one."""
-    h = hashlib.blake2b(namespace, digest_size=HASH_BYTES, person=b"kvforge-root")
-    if salt:
-        h.update(len(salt).to_bytes(4, "little") + salt)
-    return h.digest()
-
-
-def block_hash(parent: bytes, token_ids) -> bytes:
-    return hashlib.blake2b(parent + np.asarray(token_ids, "<i4").tobytes(), digest_size=HASH_BYTES).digest()
-
-
-class HostBlockPool:
-    """Fixed storage for `budget_bytes // bytes_per_block` blocks; block id = row of every array."""
-
-    def __init__(self, spec: KVBlockSpec, budget_bytes: int):
-        self.spec = spec
-        self.budget_bytes = budget_bytes
-        self.num_blocks = budget_bytes // spec.bytes_per_block
-        # np.zeros maps pages lazily: the budget is a bound, not memory taken up front
-        self.arrays = {t.name: np.zeros((self.num_blocks, *spec.block_shape(t.name)), t.dtype)
-                       for t in spec.tensors}
-        self.free = list(range(self.num_blocks - 1, -1, -1))
-        self.refs = np.zeros(self.num_blocks, np.int32)
-        self.by_hash: dict[bytes, int] = {}
-        self.hash_of: dict[int, bytes] = {}
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
-        self.on_evict = None  # (hash, read the block) -> None: the disk tier keeps what RAM lets go
-        self.counters = dict(blocks_evicted=0, blocks_stored=0, blocks_deduplicated=0, blocks_dropped=0)
-
-    @property
-    def bytes_used(self) -> int:
-        return (self.num_blocks - len(self.free)) * self.spec.bytes_per_block
-
-    def lookup(self, hashes: list[bytes]) -> list[int]:
-        """Ids of the longest run of hashes[0..] that is cached."""
-        found = []
-        for h in hashes:
-            block = self.by_hash.get(h)
-            if block is None:
-                break
-            found.append(block)
-        return found
-
-    def acquire(self, blocks: list[int]) -> None:
-        for b in blocks:
-            self.refs[b] += 1
-            self.evictable.pop(b, None)
-
-    def release(self, blocks: list[int]) -> None:
-        """Drop one reference each, in the given order (the first released is the first evicted)."""
-        for b in blocks:
-            self.refs[b] -= 1
-            if self.refs[b] == 0:
-                if b in self.hash_of:
-                    self.evictable[b] = None
-                else:
-                    self.free.append(b)
-
-    def _take(self) -> int | None:
-        if self.free:
-            return self.free.pop()
-        if not self.evictable:
-            return None
-        block, _ = self.evictable.popitem(last=False)
-        if self.on_evict is not None:
-            self.on_evict(self.hash_of[block], lambda: {name: array[block] for name, array in self.arrays.items()})
-        del self.by_hash[self.hash_of.pop(block)]
-        self.counters["blocks_evicted"] += 1
-        return block
-
-    def put(self, data: Blocks, hashes: list[bytes | None]) -> list[int]:
-        """Store blocks (hash None: anonymous, e.g. a swapped-out row), one reference each held by
-        the caller. A block already cached under its hash is shared, not copied. Returns the ids
-        of the leading blocks that could be kept (storage full of referenced blocks: fewer)."""
-        ids = []
-        for i, h in enumerate(hashes):
-            block = self.by_hash.get(h) if h is not None else None
-            if block is not None:
-                self.counters["blocks_deduplicated"] += 1
-                self.acquire([block])
-                ids.append(block)
-                continue
-            block = self._take()
-            if block is None:
-                self.counters["blocks_dropped"] += len(hashes) - i
-                break
-            for name, array in self.arrays.items():
-                array[block] = data[name][i]
-            self.refs[block] = 1
-            if h is not None:
-                self.by_hash[h], self.hash_of[block] = block, h
-                self.counters["blocks_stored"] += 1
-            ids.append(block)
-        return ids
-
-    def get(self, blocks: list[int]) -> Blocks:
-        return {name: array[blocks] for name, array in self.arrays.items()}
-
-    def clear(self) -> int:
-        """Forget every cached block; referenced ones stay until released. Returns how many were dropped."""
-        dropped = len(self.by_hash)
-        for block in list(self.hash_of):
-            del self.by_hash[self.hash_of.pop(block)]
-        self.free.extend(self.evictable)
-        self.evictable.clear()
-        return dropped
 
 
 class KVManager:
@@ -171,7 +45,7 @@ class KVManager:
         # outgrow the budget; else reserve each promise (prompt + max_tokens) up front
         self.optimistic = optimistic
         self.swapped_blocks = 0  # pool blocks holding swapped-out rows, within SWAP_RESERVE of the pool
-        self.tiers = tiers  # disk / Redis below the pool (runtime/kv_tiers.py); needs the pool
+        self.tiers = tiers  # disk / Redis below the pool (runtime/kv/tiers/); needs the pool
         # request id -> pool blocks a loading request holds (its RAM hit and what arrived), so
         # promoting the rest of its prefix cannot evict the head
         self.loading_refs: dict[int, list[int]] = {}

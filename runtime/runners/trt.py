@@ -16,7 +16,7 @@ import numpy as np
 from kvforge.manifest import ITEMSIZE, Manifest, ManifestError, kv_buffer_shape, kv_pairs
 from kvforge.tensorrt_host import capturing_logger, check_engine_match, cuda, missing_requirement, platform, \
     read_plan
-from runtime.runner_api import Blocks, Runner, as_blocks, as_tokens
+from runtime.runners.base import Blocks, Runner, as_blocks, as_tokens
 
 
 class TensorRTRunner(Runner):

@@ -10,7 +10,7 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
-from runtime.sampling import RequestError
+from kvforge.errors import RequestError
 
 # Triton reserves the triton_ prefix for its own request parameters; `request_id` is the id the
 # HTTP front (or a gRPC client) gives a request for the access log

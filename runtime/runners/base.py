@@ -3,9 +3,9 @@ of those slots, copied out and in.
 
 A Runner owns the KV buffers for `slots` sequences. Active sequences occupy rows 0..rows-1
 (the KV manager keeps them packed with `move`), so every step binds a contiguous prefix of
-each buffer: no gather, no copy. Implementations: runtime/runner.py (ONNX Runtime, in place
-and concat) and runtime/tensorrt_runner.py (in place on a GPU); `runtime.runner.open_runner`
-picks one from the manifest. This module imports neither, so they import it without a cycle.
+each buffer: no gather, no copy. Implementations: runners/ort.py (ONNX Runtime, in place and
+concat) and runners/trt.py (in place on a GPU); `runtime.runners.open_runner` picks one from
+the manifest.
 """
 from __future__ import annotations
 

@@ -1,0 +1,28 @@
+"""The names of KV blocks: the same in every process that serves one cache namespace.
+
+A full block is named by a hash chain, blake2b(parent hash, the block's token ids), whose root
+is the cache namespace (model, weights, KV dtype, layout, block size, format;
+kvforge.manifest.cache_namespace) and an optional per-request salt, so two replicas name the
+same prefix alike and a salted request never meets another tenant's blocks. (Python's
+`hash()` is salted per process: never use it for this.)
+"""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+HASH_BYTES = 16  # 128-bit names: no collision between the blocks of any realistic cache
+MAX_CACHE_SALT_BYTES = 256
+
+
+def root_hash(namespace: bytes, salt: bytes | None) -> bytes:
+    """The chain's parent for block 0: the namespace, and the salt when there is one."""
+    h = hashlib.blake2b(namespace, digest_size=HASH_BYTES, person=b"kvforge-root")
+    if salt:
+        h.update(len(salt).to_bytes(4, "little") + salt)
+    return h.digest()
+
+
+def block_hash(parent: bytes, token_ids) -> bytes:
+    return hashlib.blake2b(parent + np.asarray(token_ids, "<i4").tobytes(), digest_size=HASH_BYTES).digest()

@@ -1,0 +1,75 @@
+"""The KVFORGE_* environment: what the launcher hands the llm model's process, written and read here.
+
+Serving knobs travel by environment, never in the model config, so a path or a Redis password
+never reaches model metadata or logs. `model_environment` is the launcher's side,
+`engine_options` / `serving_options` the model's.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+CONTROL_KEY = "KVFORGE_CONTROL_KEY"  # guards Triton's control APIs and the llm model's clear_prefix_cache
+OPENAI_API_KEY = "KVFORGE_OPENAI_API_KEY"  # the bearer key the OpenAI-compatible API then requires
+ACCESS_LOG = "KVFORGE_ACCESS_LOG"
+PREFIX_CACHE = "KVFORGE_PREFIX_CACHE"  # 0 | 1
+KV_HOST_BYTES = "KVFORGE_KV_HOST_BYTES"
+KV_DISK_DIR = "KVFORGE_KV_DISK_DIR"
+KV_DISK_BYTES = "KVFORGE_KV_DISK_BYTES"
+KV_REDIS_URL = "KVFORGE_KV_REDIS_URL"
+KV_REDIS_TTL = "KVFORGE_KV_REDIS_TTL"
+QUEUE_TIMEOUT = "KVFORGE_QUEUE_TIMEOUT"
+REQUEST_TIMEOUT = "KVFORGE_REQUEST_TIMEOUT"
+THREADS = "KVFORGE_THREADS"  # ONNX Runtime intra-op threads (default: every core)
+CHECKPOINTS = "KVFORGE_CHECKPOINTS"  # where presets are materialized (default: build/checkpoints)
+
+# engine option -> its variable, for the whole-number options
+WHOLE_NUMBERS = {"kv_host_bytes": KV_HOST_BYTES, "kv_disk_bytes": KV_DISK_BYTES, "kv_redis_ttl": KV_REDIS_TTL}
+
+
+def model_environment(control_key: str, access_log: Path, prefix_cache: bool = True,
+                      kv_host_bytes: int | None = None, kv_disk_dir: Path | None = None,
+                      kv_disk_bytes: int | None = None, kv_redis_url: str | None = None,
+                      kv_redis_ttl: int | None = None, queue_timeout: float | None = None,
+                      request_timeout: float | None = None) -> dict[str, str]:
+    """The variables for the llm model's process (unset options are left out; a KVFORGE_KV_REDIS_URL
+    already in the launcher's environment reaches the model with the rest of it)."""
+    values = {CONTROL_KEY: control_key, ACCESS_LOG: str(access_log), PREFIX_CACHE: "1" if prefix_cache else "0",
+              KV_HOST_BYTES: kv_host_bytes, KV_DISK_DIR: kv_disk_dir and Path(kv_disk_dir).resolve(),
+              KV_DISK_BYTES: kv_disk_bytes, KV_REDIS_URL: kv_redis_url, KV_REDIS_TTL: kv_redis_ttl,
+              QUEUE_TIMEOUT: queue_timeout, REQUEST_TIMEOUT: request_timeout}
+    return {name: str(value) for name, value in values.items() if value is not None and value != ""}
+
+
+def engine_options(environ: Mapping[str, str] = os.environ) -> dict:
+    """LLMEngine's prefix-cache and tier keyword arguments from the environment."""
+    enabled = environ.get(PREFIX_CACHE, "1")
+    if enabled not in ("0", "1"):
+        raise ValueError(f"{PREFIX_CACHE} must be 0 or 1 (got {enabled!r})")
+    options = dict(prefix_cache=enabled == "1", kv_disk_dir=environ.get(KV_DISK_DIR) or None,
+                   kv_redis_url=environ.get(KV_REDIS_URL) or None)
+    for key, name in WHOLE_NUMBERS.items():
+        value = environ.get(name, "")
+        if not (value.isdigit() or value == ""):
+            raise ValueError(f"{name} must be a whole number (got {value!r})")
+        if value:
+            options[key] = int(value)
+    return options
+
+
+def seconds(name: str, environ: Mapping[str, str] = os.environ) -> float | None:
+    value = environ.get(name)
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds (got {value!r})") from None
+
+
+def threads(environ: Mapping[str, str] = os.environ) -> int | None:
+    value = environ.get(THREADS, "")
+    if not (value.isdigit() or value == ""):
+        raise ValueError(f"{THREADS} must be a whole number (got {value!r})")
+    return int(value) or None if value else None

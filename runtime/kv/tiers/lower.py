@@ -1,0 +1,159 @@
+"""The tiers below the host RAM pool, as one: a writer thread drains the write-behind queue (full:
+the block is dropped and counted, the engine never waits) and a loader thread fetches the
+prefixes waiting requests asked for, so a request whose prefix is below RAM waits in a loading
+state while the batch keeps decoding. Faults are misses, never errors.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+from runtime.kv.tiers.base import Tier
+from runtime.kv.tiers.codec import Arrays, BlockCodec
+
+log = logging.getLogger("kvforge.tiers")
+
+WRITE_QUEUE_BLOCKS = 1024
+DRAIN_SECONDS = 3.0  # a graceful stop flushes queued writes within Triton's --exit-timeout-secs=5
+
+
+class LowerTiers:
+    """Disk and/or Redis behind the RAM pool."""
+
+    def __init__(self, codec: BlockCodec, tiers: list[Tier], wake: Callable[[], None],
+                 queue_blocks: int = WRITE_QUEUE_BLOCKS):
+        """tiers: nearest first; wake() is called when a load has finished."""
+        self.codec, self.tiers, self.wake = codec, list(tiers), wake
+        # the nearest tier that keeps what RAM evicts (disk: a write-behind may have been dropped)
+        self.demote_to = next((t for t in self.tiers if t.keeps_evictions), None)
+        self.writes: queue.Queue = queue.Queue(queue_blocks)
+        self.loads: queue.Queue = queue.Queue()
+        self.done: list[tuple[int, list[bytes], list[Arrays]]] = []
+        self.done_lock = threading.Lock()
+        self.counters = dict(tier_write_dropped_blocks=0, tier_loads=0, tier_loads_abandoned=0)
+        self.writer = threading.Thread(target=self._write_loop, name="kvforge-tier-writer", daemon=True)
+        self.loader = threading.Thread(target=self._load_loop, name="kvforge-tier-loader", daemon=True)
+        self.writer.start()
+        self.loader.start()
+
+    # ------------------------------------------------------------------ writes (engine thread: never blocks)
+
+    def store(self, hashes: list[bytes], data: dict[str, np.ndarray]) -> None:
+        """Queue blocks i of data[name][i] (fresh copies, as read_blocks returns them) under hashes[i]."""
+        for i, h in enumerate(hashes):
+            try:
+                self.writes.put_nowait((h, {name: array[i] for name, array in data.items()}))
+            except queue.Full:
+                self.counters["tier_write_dropped_blocks"] += len(hashes) - i
+                return
+
+    def demote(self, block_hash: bytes, read: Callable[[], Arrays]) -> None:
+        """A block leaves RAM: keep it in the nearest local tier unless it is there already (its
+        write-behind may have been dropped)."""
+        tier = self.demote_to
+        if tier is not None and tier.enabled and not tier.contains(block_hash):
+            self.store([block_hash], {name: array[None].copy() for name, array in read().items()})
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self.writes.get()
+            if item is None:
+                return
+            batch = [item]
+            while len(batch) < 64:
+                try:
+                    item = self.writes.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    self.writes.put(None)
+                    break
+                batch.append(item)
+            entries = [(h, self.codec.encode(h, arrays)) for h, arrays in batch]
+            for tier in self.tiers:
+                tier.put_many(entries)
+
+    # ------------------------------------------------------------------ loads (off the step loop)
+
+    def request_load(self, request_id: int, hashes: list[bytes], recompute_seconds: float | None) -> None:
+        self.counters["tier_loads"] += 1
+        self.loads.put((request_id, hashes, recompute_seconds))
+
+    def estimate(self, tier, blocks: int) -> float:
+        return tier.stats.estimate(blocks * self.codec.entry_bytes)
+
+    def _load(self, hashes: list[bytes], recompute_seconds: float | None) -> list[Arrays]:
+        """The leading run of hashes found in the first tier, continued from the next; a tier
+        expected to be slower than recomputing those tokens is skipped."""
+        found: list[Arrays] = []
+        for tier in self.tiers:
+            rest = hashes[len(found):]
+            if not rest:
+                break
+            wanted = tier.present(rest)
+            if wanted == 0:
+                continue
+            if recompute_seconds is not None and self.estimate(tier, wanted) > recompute_seconds * wanted / len(hashes):
+                self.counters["tier_loads_abandoned"] += 1
+                break
+            got = tier.get_many(rest[:wanted])
+            found += got
+            if len(got) < wanted:
+                break  # an entry went bad or is gone: a chain does not continue past a hole
+        return found
+
+    def _load_loop(self) -> None:
+        while True:
+            item = self.loads.get()
+            if item is None:
+                return
+            request_id, hashes, recompute_seconds = item
+            try:
+                found = self._load(hashes, recompute_seconds)
+            except Exception:  # a tier bug must cost a miss, not the loader
+                log.exception("loading KV blocks failed")
+                found = []
+            with self.done_lock:
+                self.done.append((request_id, hashes[:len(found)], found))
+            self.wake()
+
+    def finished_loads(self) -> list[tuple[int, list[bytes], list[Arrays]]]:
+        with self.done_lock:
+            done, self.done = self.done, []
+        return done
+
+    # ------------------------------------------------------------------ lifetime
+
+    def close(self, drain_seconds: float = DRAIN_SECONDS) -> None:
+        """Flush queued writes for at most drain_seconds, then stop both threads."""
+        self.loads.put(None)
+        deadline = time.monotonic() + drain_seconds
+        while self.writes.qsize() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        try:
+            self.writes.put(None, timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Full:
+            pass
+        self.writer.join(max(0.0, deadline - time.monotonic()))
+        self.loader.join(0.5)
+        for tier in self.tiers:
+            tier.close()
+
+    def stats(self) -> dict:
+        tiers = {}
+        for t in self.tiers:
+            snapshot = t.stats.snapshot()
+            tiers[t.name] = dict(snapshot, hit_tokens=snapshot["hit_blocks"] * self.codec.spec.tokens,
+                                 enabled=int(t.enabled), bytes=t.bytes_used)
+        return dict(self.counters, tier_write_queue_blocks=self.writes.qsize(), tiers=tiers)
+
+    @staticmethod
+    def no_stats() -> dict:
+        """stats() of an engine without lower tiers."""
+        return dict(tier_write_dropped_blocks=0, tier_loads=0, tier_loads_abandoned=0, tier_write_queue_blocks=0,
+                    tiers={})
