@@ -15,12 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 from importlib import import_module
 from pathlib import Path
 
-from bench import common
+from bench import common, report
 from bench.common import ROOT, Artifacts, SectionError, params, say
 
 SECTIONS = ("layouts", "cache", "kv_dtypes", "peers", "roofline", "prefill", "weights", "serving", "prefix_cache",
             "kv_tiers")
-RESULT_KEYS = {"cache": "cache_speedup"}  # the name for the section's top-level key
 
 
 def prepare(p, artifacts: Artifacts, sections: set[str]) -> None:
@@ -95,11 +94,9 @@ def main(argv: list[str] | None = None) -> int:
 
     for name in SECTIONS:
         if name in sections:
-            results[RESULT_KEYS.get(name, name)] = run_section(name, p, artifacts)
+            results[report.RESULT_KEYS.get(name, name)] = run_section(name, p, artifacts)
     results["meta"]["duration_s"] = round(time.perf_counter() - began, 1)
     results["meta"]["machine"]["load_average_at_end"] = list(os.getloadavg())
-
-    from bench import report
 
     report.write(results, args.out)
     failed = [k for k, v in results.items() if isinstance(v, dict) and v.get("status") == "error"]

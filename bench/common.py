@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
-import statistics
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -226,12 +227,6 @@ def interleaved_steps(variants: dict, rows: int, context: int, steps: int, round
     return times
 
 
-def summary_ms(seconds: list[float]) -> dict:
-    ms = [s * 1e3 for s in seconds]
-    return {"median_ms": round(statistics.median(ms), 4), "min_ms": round(min(ms), 4),
-            "max_ms": round(max(ms), 4), "samples": len(ms)}
-
-
 def generate(runner, prompts: np.ndarray, new_tokens: int) -> dict:
     """Greedy generation through the Runner (runtime.greedy): prefill all rows, then one token
     per row per step. Returns the tokens and the prefill / per-step decode times."""
@@ -358,3 +353,77 @@ def finish_figure(plt, fig, path: Path, section: dict | None, name: str, axes: l
 
 def write_json(path: Path, data) -> None:
     path.write_text(json.dumps(data, indent=2, default=float) + "\n")
+
+
+# ---------------------------------------------------------------- report helpers (every section's targets, tables, plots)
+
+NOT_EVALUATED = None
+
+
+def target(name: str, required: str, measured: str, met: bool | None, detail: str) -> dict:
+    return {"target": name, "required": required, "measured": measured, "met": met, "detail": detail}
+
+
+def skipped(name: str, required: str, why: str) -> dict:
+    return target(name, required, "-", NOT_EVALUATED, why)
+
+
+def figure():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def panels(plt, path: Path, section: dict | None, what: str, draw, count: int = 2) -> None:
+    """A figure of `count` panels drawn by draw(*axes), or the reason the section has no data."""
+    fig, axes = plt.subplots(1, count, figsize=(5.5 * count, 4.5), squeeze=False)
+    axes = list(axes[0])
+    if section_ran(section):
+        draw(*axes)
+        for ax in axes:
+            ax.set_xscale("log", base=2)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+    finish_figure(plt, fig, path, section, what, axes)
+
+
+def fmt(x, digits: int = 2) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}" if math.isfinite(x) else str(x)
+    return f"{x:,}" if isinstance(x, int) else str(x)
+
+
+def table(header: list[str], rows: list[list]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
+        ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def quality_cells(r: dict) -> list[str]:
+    """perplexity, change vs fp32, greedy agreement of one variant (fp32 is the reference)."""
+    agree = (f"{r['teacher_forced_agreement']:.3f} / {r['free_running_agreement']:.3f}"
+             if "teacher_forced_agreement" in r else "reference")
+    change = r.get("perplexity_vs_fp32_percent")
+    return [f"{r['perplexity']:.3f}", "-" if change is None else f"{change:+.2f}%", agree]
+
+
+def rendered(section: dict | None) -> bool:
+    """Whether bench.md shows the section: it ran, or it failed after measuring part of it."""
+    return section_ran(section) or bool((section or {}).get("partial"))
+
+
+def describe(values: list[float], *, scale: float = 1.0, digits: int = 4, unit: str = "",
+             stats: tuple[str, ...] = ("median", "min", "max", "samples")) -> dict:
+    """Summary statistics of a sample (seconds x scale=1e3 with unit "_ms" for milliseconds)."""
+    a = np.asarray(values, dtype=float) * scale
+    compute = {"median": np.median, "min": np.min, "max": np.max, "mean": np.mean,
+               "p50": lambda x: np.percentile(x, 50), "p99": lambda x: np.percentile(x, 99)}
+    return {stat if stat == "samples" else f"{stat}{unit}": int(a.size) if stat == "samples"
+            else round(float(compute[stat](a)), digits) for stat in stats}
+
+
+summary_ms = partial(describe, scale=1e3, unit="_ms")  # seconds -> median/min/max ms

@@ -7,7 +7,7 @@ time and quality are measured on the trained model (random weights make quality 
 from __future__ import annotations
 
 from bench.common import (Params, eval_windows, generate, greedy_agreement, held_out_prompts, interleaved_steps,
-                          perplexity, runnable_kv_dtypes, say, summary_ms)
+    perplexity, quality_cells, rendered, runnable_kv_dtypes, say, section_ran, skipped, summary_ms, table, target)
 from export.train import held_out_tokens
 from kvforge.manifest import KV_DTYPES, Manifest, ModelSpec, kv_bytes_per_token
 
@@ -81,3 +81,53 @@ def run(params: Params, artifacts) -> dict:
                   "free_running_agreement": "fraction", "teacher_forced_agreement": "fraction",
                   "median_ms": "ms", "min_ms": "ms", "max_ms": "ms"},
     }
+
+
+# ---------------------------------------------------------------- report (targets, bench.md, plot)
+
+def kv_dtype_target(kv: dict) -> dict:
+    """Judged on int8-static (calibrated scales in the graph: nothing stored beside the cache);
+    the per-token int8 cache, which needs no calibration, is quoted beside it."""
+    name, required = "int8 KV: half the bytes of fp16, perplexity within 1% of fp32", "<= 0.50x fp16 bytes, <= 1%"
+    if not section_ran(kv):
+        return skipped(name, required, "kv_dtypes section did not run")
+
+    def figures(dtype: str) -> tuple[float, float]:
+        ratio = next(r for r in kv["bytes"]["benchmark_model"] if r["kv_dtype"] == dtype)["relative_to_fp16"]
+        return ratio, next(r for r in kv["measured"] if r["kv_dtype"] == dtype)["perplexity_vs_fp32_percent"]
+
+    ratio, ppl = figures("int8-static")
+    per_token_ratio, per_token_ppl = figures("int8")
+    bytes_met, ppl_met = ratio <= 0.5, abs(ppl) <= 1
+    detail = [f"int8-static: bytes {ratio:.3f}x fp16, perplexity {ppl:+.2f}% vs fp32"
+              + ("" if ppl_met else " (over the 1% bound)"),
+              f"per-token int8: {per_token_ratio:.3f}x fp16 (its fp16 scale per token and head), "
+              f"perplexity {per_token_ppl:+.2f}%"]
+    return target(name, required, f"int8-static {ratio:.3f}x fp16 bytes, perplexity {ppl:+.2f}%",
+                  bytes_met and ppl_met, "; ".join(detail))
+
+
+def section_markdown(kv: dict) -> list[str]:
+    bench_bytes = {r["kv_dtype"]: r for r in kv["bytes"]["benchmark_model"]}
+    rows = []
+    for r in kv["measured"]:
+        b = bench_bytes[r["kv_dtype"]]
+        steps = ", ".join(f"{s['median_ms']:.2f} (b{s['batch']}, {s['context']})" for s in r["step_time"])
+        rows.append([r["kv_dtype"], f"{b['bytes_per_token']:,}", f"{b['sequences_in_budget']:,}",
+                     *quality_cells(r), steps])
+    e = kv["eval"]
+    return ["## 3. KV dtypes", "",
+            f"Bytes for the benchmark model; {kv['kv_budget_bytes'] / 2**30:g} GiB holds N sequences of "
+            f"{kv['sequence_tokens_for_budget']} tokens. Quality and step time on the trained model "
+            f"({e['windows']} held-out windows of {e['window_tokens']} tokens; greedy: {e['greedy_rows']} prompts x "
+            f"{e['greedy_new_tokens']} tokens).", "",
+            *table(["KV dtype", "bytes/token", "sequences in budget", "perplexity", "vs fp32",
+                     "greedy agreement (teacher-forced / free-running)", "step ms (batch, context)"], rows)]
+
+
+def targets(results: dict) -> list[dict]:
+    return [kv_dtype_target(results.get("kv_dtypes"))]
+
+
+def markdown(results: dict) -> list[str]:
+    return section_markdown(results["kv_dtypes"]) if rendered(results.get("kv_dtypes")) else []

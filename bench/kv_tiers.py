@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import Params, finish_figure, section_ran, say
+from bench.common import Params, finish_figure, rendered, say, section_ran, skipped, table, target
 from bench.prefix_cache import Texts, engine_request, section_engine, spread
 
 
@@ -302,9 +302,10 @@ def run(params: Params, artifacts) -> dict:
     }
 
 
-# ---------------------------------------------------------------- report (called by bench/report.py)
+# ---------------------------------------------------------------- report (targets, bench.md, plot)
 
-def targets(section: dict | None, target, skipped) -> list[dict]:
+def targets(results: dict) -> list[dict]:
+    section = results.get("kv_tiers")
     names = ("KV tiers: warm from disk <= 10% of cold TTFT at >= 2K tokens",
              "KV tiers: warm from Redis <= 15% of cold TTFT at >= 2K tokens",
              "KV tiers: a tier hit never slower than recomputing",
@@ -345,7 +346,8 @@ def targets(section: dict | None, target, skipped) -> list[dict]:
     return rows
 
 
-def plot(plt, section: dict | None, path) -> None:
+def plot(plt, results: dict, out: Path) -> None:
+    section, path = results.get("kv_tiers"), out / "kv_tiers.png"
     fig, (ax, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     if section_ran(section):
         docs = section["long_documents"]
@@ -367,7 +369,10 @@ def plot(plt, section: dict | None, path) -> None:
     finish_figure(plt, fig, path, section, "kv_tiers", [ax, right])
 
 
-def markdown(section: dict, table) -> list[str]:
+def markdown(results: dict) -> list[str]:
+    section = results.get("kv_tiers")
+    if not rendered(section):
+        return []
     rows = [[p["context"], f"{p['cold']['median_ms']:.0f}",
              *(f"{p[t]['median_ms']:.1f} ({p[t]['reduction_percent']:.1f}%; {p['cached_tokens'][t]} cached)"
                for t in ("ram", "disk", "redis")),
@@ -381,11 +386,11 @@ def markdown(section: dict, table) -> list[str]:
             *table(["prompt tokens", "cold", "RAM", "disk (restarted)", "Redis (replica B)", "same greedy text"], rows),
             "", "Load bandwidth (bytes over read time): " + ", ".join(
                 f"{t} {v / 1e9:.2f} GB/s" if v else f"{t} - (nothing read)" for t, v in bw.items()),
-            "", section["method"], "", *documents_markdown(section["long_documents"], table), "",
-            *admission_markdown(section["admission"], table)]
+            "", section["method"], "", *documents_markdown(section["long_documents"]), "",
+            *admission_markdown(section["admission"])]
 
 
-def documents_markdown(d: dict, table) -> list[str]:
+def documents_markdown(d: dict) -> list[str]:
     def bandwidth(run):
         return ", ".join(f"{t} {v / 1e9:.2f} GB/s" for t, v in run["tier_load_bandwidth_bytes_per_s"].items() if v) or "-"
 
@@ -401,7 +406,7 @@ def documents_markdown(d: dict, table) -> list[str]:
                     "mean cached tokens", "tier hit tokens", "tier load bandwidth", "same text as no caching"], rows)]
 
 
-def admission_markdown(a: dict, table) -> list[str]:
+def admission_markdown(a: dict) -> list[str]:
     rows = [[mode, a[mode]["mean_running"], a[mode]["max_running"], a[mode]["tokens_per_s"], a[mode]["peak_kv_bytes"],
              a[mode]["preempted_swap"], a[mode]["preempted_recompute"], a[mode]["mean_output_tokens"]]
             for mode in ("reserve", "optimistic")]

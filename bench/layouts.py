@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import Params, decode_steps, fitting_capacity, interleaved_steps, say, summary_ms
+from bench.common import (Params, decode_steps, fitting_capacity, fmt, interleaved_steps, panels,
+    rendered, say, section_ran, skipped, summary_ms, table, target)
 from kvforge.manifest import Manifest, kv_bytes
 
 LAYOUTS = ("concat", "inplace")
@@ -182,3 +183,96 @@ def step_ms(layouts: dict, layout: str, batch: int, worst_case: bool = False, st
         if s["layout"] == layout and s["batch"] == batch:
             return {p["context"]: p[stat] for p in s["points"] if p["worst_case_bucket"] == worst_case}
     return {}
+
+
+# ---------------------------------------------------------------- report (targets, bench.md, plot)
+
+def layout_targets(layouts: dict) -> list[dict]:
+    names = ("In-place step time <= concat at every context (capacity = bucket that fits)",
+             "In-place step time <= concat at every context (worst case: context just past a bucket boundary)",
+             "In-place bytes copied per step = O(new tokens)")
+    if not section_ran(layouts):
+        return [skipped(n, "", "layouts section did not run") for n in names]
+    why = {False: "at equal capacity the in-place step does the same attention plus a scatter and a causal "
+                  "mask over the whole buffer, while concat's copy is still small at these contexts",
+           True: "the buffer is twice the context and ORT's Attention costs follow the buffer, "
+                 "not the valid length"}
+    rows = []
+    for worst in (False, True):
+        ratios = []  # (median ratio, min ratio, batch, context)
+        for batch in sorted({s["batch"] for s in layouts["sweeps"]}):
+            concat = step_ms(layouts, "concat", batch)
+            concat_min = step_ms(layouts, "concat", batch, stat="min_ms")
+            best = step_ms(layouts, "inplace", batch, worst_case=worst, stat="min_ms")
+            for context, ms in step_ms(layouts, "inplace", batch, worst_case=worst).items():
+                ratios.append((ms / concat[context], best[context] / concat_min[context], batch, context))
+        if not ratios:
+            rows.append(skipped(names[worst], "ratio <= 1 everywhere", "no worst-case points (max_seq_len)"))
+            continue
+        ratio, _, batch, context = max(ratios)
+        # slower by the median but not by the fastest step: other processes' load, not the layout
+        consistent = [f"b{b}@{c}" for r, m, b, c in sorted(ratios, key=lambda x: x[2:]) if r > 1 and m > 1]
+        noisy = [f"b{b}@{c}" for r, m, b, c in sorted(ratios, key=lambda x: x[2:]) if r > 1 >= m]
+        detail = "met at every point" if ratio <= 1 else "; ".join(filter(None, [
+            consistent and f"slower by median and fastest step at {', '.join(consistent)}: {why[worst]}",
+            noisy and f"slower by median only at {', '.join(noisy)} (the fastest steps favour in-place: load "
+                      "from other processes, not the layout)"]))
+        rows.append(target(names[worst], "in-place / concat <= 1 at every point (median step)",
+                           f"worst {ratio:.3f}x (batch {batch}, context {context})", ratio <= 1, detail))
+    inplace = [p for s in layouts["sweeps"] if s["layout"] == "inplace" for p in s["points"]]
+    exact = all(p["observed_bytes_written"] == p["expected_bytes_copied_per_step"] and p["arrays_reallocated"] == 0
+                for p in inplace)
+    concat_max = max(p["observed_bytes_written"] for s in layouts["sweeps"] if s["layout"] == "concat"
+                     for p in s["points"])
+    inplace_max = max(p["observed_bytes_written"] for p in inplace)
+    rows.append(target(names[2], "1 new token x KV bytes/token x batch, no reallocation",
+                       f"in-place max {inplace_max:,} B/step vs concat max {concat_max:,} B/step", exact,
+                       "observed: no cache array changed its data pointer and only the new token's positions "
+                       "changed" if exact else "some in-place step reallocated or wrote more than the new tokens"))
+    return rows
+
+
+def plot_layouts(plt, layouts: dict, path: Path) -> None:
+    def draw(left, right):
+        for color, s in enumerate(layouts["sweeps"]):
+            for worst in (False, True):
+                pts = [p for p in s["points"] if p["worst_case_bucket"] == worst]
+                if not pts:
+                    continue
+                label = f"{s['layout']}, batch {s['batch']}" + (" (worst-case bucket)" if worst else "")
+                style = ":" if worst else ("o-" if s["layout"] == "inplace" else "s-")
+                context = [p["context"] for p in pts]
+                left.plot(context, [p["median_ms"] for p in pts], style, color=f"C{color}", label=label)
+                if not worst:
+                    right.plot(context, [p["observed_bytes_written"] for p in pts], style, color=f"C{color}",
+                               label=label)
+        left.set(xlabel="context (tokens)", ylabel="decode step (ms)", title="Step time by KV layout")
+        right.set(xlabel="context (tokens)", ylabel="KV bytes written per step (observed)", yscale="log",
+                  title="Bytes copied per step")
+
+    panels(plt, path, layouts, "layouts", draw)
+
+
+def section_markdown(layouts: dict) -> list[str]:
+    rows = [[s["layout"], s["batch"], p["context"], p["capacity"], fmt(p["median_ms"]),
+             f"{p['observed_bytes_written']:,}", f"{p['expected_bytes_copied_per_step']:,}",
+             f"{p['kv_bytes_allocated'] / 2**20:.0f}", f"{p['peak_rss_bytes'] / 2**20:.0f}"]
+            for s in layouts["sweeps"] for p in s["points"]]
+    return ["## 2. KV layouts", "",
+            "Peak RSS is the whole process (weights included); KV pages never written stay unbacked, so a "
+            "fresh in-place buffer counts only the tokens written so far, while concat's present arrays are "
+            "written in full every step.", "",
+            *table(["layout", "batch", "context", "capacity", "step (ms)", "bytes written/step (observed)",
+                     "expected", "KV allocated (MiB)", "peak RSS (MiB)"], rows)]
+
+
+def targets(results: dict) -> list[dict]:
+    return layout_targets(results.get("layouts"))
+
+
+def markdown(results: dict) -> list[str]:
+    return section_markdown(results["layouts"]) if rendered(results.get("layouts")) else []
+
+
+def plot(plt, results: dict, out: Path) -> None:
+    plot_layouts(plt, results.get("layouts"), out / "layouts.png")

@@ -12,12 +12,15 @@ import time
 
 import numpy as np
 
-from bench.common import Params, decode_rate, generate, say
+from bench.common import Params, decode_rate, describe, fmt, generate, rendered, say, section_ran, skipped, table, target
 
 # Why Optimum is absent when it is (checked with `pip install --dry-run` beside the pins).
 OPTIMUM_NOTE = ("optimum 2.x + optimum-onnx need transformers<5 (pip would downgrade transformers to 4.57); "
                 "with transformers 5.24 pinned pip resolves optimum 1.17.1, which fails to import "
                 "(transformers.utils.is_tf_available is gone)")
+
+
+MEDIAN_RANGE = ("median", "min", "max")
 
 
 def prompts(vocab: int, rows: int, length: int) -> np.ndarray:
@@ -192,11 +195,6 @@ def decode_matmul_bound(export_dir, threads: int) -> dict:
             "bound_tokens_per_s": round(1 / seconds, 2), "read_gb_per_s": round(weight_bytes / seconds / 1e9, 2)}
 
 
-def spread(values: list[float], digits: int = 4) -> dict:
-    return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
-            "max": round(max(values), digits)}
-
-
 def ttft_rounds(systems: dict, vocab: int, lengths: tuple[int, ...], new_tokens: int, rounds: int) -> list[dict]:
     """TTFT and batch-1 decode tokens/s at each prompt length: a fresh random prompt every round
     (nothing can be reused), the systems taking turns inside each round."""
@@ -215,7 +213,8 @@ def ttft_rounds(systems: dict, vocab: int, lengths: tuple[int, ...], new_tokens:
         say(f"peers TTFT: {length} prompt tokens: " + ", ".join(
             f"{name} {statistics.median(t):.2f} s" for name, t in ttft.items()))
         out.append({"prompt_tokens": length, "systems": {
-            name: {"ttft_s": spread(ttft[name]), "decode_tokens_per_s": spread(rate[name], 2)} for name in systems}})
+            name: {"ttft_s": describe(ttft[name], stats=MEDIAN_RANGE),
+                   "decode_tokens_per_s": describe(rate[name], digits=2, stats=MEDIAN_RANGE)} for name in systems}})
     return out
 
 
@@ -341,3 +340,60 @@ def run(params: Params, artifacts) -> dict:
                        "median, min and max over rounds",
         "ttft_rounds": params.ttft_rounds,
     }
+
+
+# ---------------------------------------------------------------- report (targets, bench.md, plot)
+
+def peer_targets(peers: dict, roofline: dict | None) -> list[dict]:
+    names = ("Batch-1 decode >= ONNX Runtime GenAI", "Batch-1 decode >= 3x Hugging Face transformers (cache on)")
+    if not section_ran(peers):
+        return [skipped(n, "", "peers section did not run") for n in names]
+    systems = next(r["systems"] for r in peers["results"] if r["batch"] == 1)
+    ours = systems["kvforge_inplace"]["decode_tokens_per_s"]
+    genai = systems["onnxruntime_genai"]["decode_tokens_per_s"]
+    hf = systems["hf_generate_cache"]["decode_tokens_per_s"]
+    graphs = peers["graphs"]
+    fused = [op for op in graphs["onnxruntime_genai"]["fused_contrib_ops"]
+             if op not in graphs["kvforge_inplace"]["fused_contrib_ops"]]
+    ours_s, genai_s = systems["kvforge_inplace"], systems["onnxruntime_genai"]
+    steps = (f"median step {ours_s['median_step_ms']:.2f} vs {genai_s['median_step_ms']:.2f} ms, fastest "
+             f"{ours_s['fastest_step_ms']:.2f} vs {genai_s['fastest_step_ms']:.2f} ms")
+    graph_in_ours = systems["genai_graph_in_kvforge_session"]["decode_tokens_per_s"]
+    graph_gain, runtime_gain = 100 * (graph_in_ours / ours - 1), 100 * (genai / graph_in_ours - 1)
+    why = (f"; our graph has {graphs['kvforge_inplace']['nodes']} nodes, GenAI's "
+           f"{graphs['onnxruntime_genai']['nodes']} (its fused ONNX Runtime operators: {', '.join(fused) or 'none'}). "
+           f"GenAI's own graph stepped through kvforge's session runs at {graph_in_ours:.1f} tokens/s: its graph "
+           f"is worth {graph_gain:+.1f}% over ours, its runtime {runtime_gain:+.1f}% over the same graph in our session")
+    return [
+        target(names[0], ">= 1.00x", f"{ours:.1f} vs {genai:.1f} tokens/s ({ours / genai:.2f}x)", ours >= genai,
+               f"{100 * (ours / genai - 1):+.1f}% ({steps})" + ("" if ours >= genai else why)),
+        target(names[1], ">= 3.00x", f"{ours:.1f} vs {hf:.1f} tokens/s ({ours / hf:.2f}x)", ours >= 3 * hf,
+               f"{ours / hf / 3:.2f}x the target" + ("" if ours >= 3 * hf else bound_note(systems, roofline))),
+    ]
+
+
+def bound_note(systems: dict, roofline: dict | None) -> str:
+    """How far any batch-1 decode could outrun transformers: at best it reads the weights at the
+    machine's bandwidth."""
+    if not section_ran(roofline):
+        return ""
+    bound = roofline["points"][0]["bound_ms"]
+    hf = systems["hf_generate_cache"]["median_step_ms"]
+    return (f"; a step at the memory-bandwidth bound ({bound:.2f} ms, roofline section) would be "
+            f"{hf / bound:.2f}x transformers' {hf:.2f} ms median step")
+
+
+def section_markdown(peers: dict) -> list[str]:
+    names = list(peers["results"][0]["systems"])
+    rows = [[r["batch"], *(fmt(r["systems"][n]["decode_tokens_per_s"], 1) for n in names)] for r in peers["results"]]
+    o = peers["optimum_ort_model_for_causal_lm"]
+    return [f"## 4. Peers (decode tokens/s, same checkpoint, prompt {peers['prompt_tokens']} tokens)", "",
+            *table(["batch", *names], rows), "", f"Optimum ORTModelForCausalLM: {o['status']} ({o['why']})."]
+
+
+def targets(results: dict) -> list[dict]:
+    return peer_targets(results.get("peers"), results.get("roofline"))
+
+
+def markdown(results: dict) -> list[str]:
+    return section_markdown(results["peers"]) if rendered(results.get("peers")) else []

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import ROOT, say, write_json
+from bench.common import ROOT, say, section_ran, skipped, table, target, write_json
 from runtime.scheduler import SOLO_PREFILL_TOKENS
 
 MATMUL_OPS = {"MatMul", "FusedMatMul", "Gemm", "MatMulNBits", "MatMulInteger", "DynamicQuantizeMatMul"}
@@ -334,10 +334,11 @@ def kernel_caps(model: dict, what: str, length: int, ratio: float, theirs: float
             "with attention": ratio * (bound + attention) / profile["wall_s"]}
 
 
-def targets(peers: dict | None, prefill: dict | None, target, skipped) -> list[dict]:
+def targets(results: dict) -> list[dict]:
     """TTFT vs transformers and GenAI at 1K and 2K, decode vs both, prefill vs its roofline at 2K.
     Beside each ratio, the kernels' caps (kernel_caps): a cap well on the wrong side of the target
     means no fp32 graph on ONNX Runtime's CPU kernels meets it on this machine."""
+    peers, prefill = results.get("peers"), results.get("prefill")
     out = []
     ok = bool(peers) and peers.get("status") == "ok" and peers.get("ttft")
     for name, peer, factor, what in (("TTFT", "transformers", 0.8, "ttft_s"), ("TTFT", "onnxruntime_genai", 0.5, "ttft_s"),
@@ -391,7 +392,9 @@ def targets(peers: dict | None, prefill: dict | None, target, skipped) -> list[d
                          "this run profiled shorter prompts (quick run)")]
 
 
-def markdown(peers: dict | None, prefill: dict | None, table) -> list[str]:
+def markdown(results: dict) -> list[str]:
+    """The peers' TTFT table and the prefill profile (issue 13): one renderer for two sections."""
+    peers, prefill = (results.get(k) if section_ran(results.get(k)) else None for k in ("peers", "prefill"))
     lines = []
     if peers and peers.get("ttft"):
         rows = []

@@ -21,10 +21,12 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 
 import numpy as np
 
-from bench.common import Params, finish_figure, section_ran, run_module, say
+from bench.common import Params, describe, finish_figure, rendered, run_module, say, section_ran, skipped, table, target
 
 
 @dataclass(frozen=True)
@@ -108,10 +110,7 @@ def triton_request(client, prompt: str, max_tokens: int) -> dict:
             "text": "".join(d.text for d in deltas), "tokens": sum(len(d.token_ids) for d in deltas)}
 
 
-def spread(values: list[float]) -> dict:
-    ms = [v * 1e3 for v in values]
-    return {"median_ms": round(statistics.median(ms), 2), "min_ms": round(min(ms), 2), "max_ms": round(max(ms), 2),
-            "samples": len(ms)}
+spread = partial(describe, scale=1e3, digits=2, unit="_ms")  # seconds -> median/min/max ms
 
 
 # ---------------------------------------------------------------- workloads
@@ -306,9 +305,10 @@ def run(params: Params, artifacts) -> dict:
     }
 
 
-# ---------------------------------------------------------------- report (called by bench/report.py)
+# ---------------------------------------------------------------- report (targets, bench.md, plot)
 
-def targets(section: dict | None, target, skipped) -> list[dict]:
+def targets(results: dict) -> list[dict]:
+    section = results.get("prefix_cache")
     names = ("Prefix cache: warm TTFT <= 5% of cold at >= 2K tokens",
              "Prefix cache: multi-turn TTFT from turn 2 <= 1.5x the cold TTFT of its new tokens",
              "Prefix cache: shared-document throughput >= 5x",
@@ -348,7 +348,8 @@ def targets(section: dict | None, target, skipped) -> list[dict]:
     return rows
 
 
-def plot(plt, section: dict | None, path) -> None:
+def plot(plt, results: dict, out: Path) -> None:
+    section, path = results.get("prefix_cache"), out / "prefix_cache.png"
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     if section_ran(section):
         for color, mode in enumerate(("in_process", "triton")):
@@ -370,7 +371,10 @@ def plot(plt, section: dict | None, path) -> None:
     finish_figure(plt, fig, path, section, "prefix_cache", [left, right])
 
 
-def markdown(section: dict, table) -> list[str]:
+def markdown(results: dict) -> list[str]:
+    section = results.get("prefix_cache")
+    if not rendered(section):
+        return []
     rows = [[mode, p["context"], f"{p['cold']['median_ms']:.0f} ({p['cold']['min_ms']:.0f}-{p['cold']['max_ms']:.0f})",
              f"{p['warm']['median_ms']:.1f} ({p['warm']['min_ms']:.1f}-{p['warm']['max_ms']:.1f})",
              f"{p['warm_percent_of_cold']:.2f}%", "yes" if p["same_greedy_text"] else "**no**"]

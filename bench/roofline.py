@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from bench.common import Params, decode_steps, say
+from bench.common import Params, decode_steps, rendered, say, section_ran, skipped, table, target
 from kvforge.manifest import ModelSpec, kv_bytes
 
 STREAM_BYTES = 256 << 20  # far beyond any cache level, so it measures DRAM
@@ -125,3 +125,39 @@ def run(params: Params, artifacts) -> dict:
                   "kv_bytes_per_token": "bytes"},
         "points": points,
     }
+
+
+# ---------------------------------------------------------------- report (targets, bench.md, plot)
+
+def roofline_target(roofline: dict) -> dict:
+    name, required = "Batch-1 decode as a share of the memory-bandwidth roofline", ">= 80%"
+    if not section_ran(roofline):
+        return skipped(name, required, "roofline section did not run")
+    head = roofline["headline"]
+    met = head["percent_of_roofline"] >= 80
+    return target(name, required, f"{head['percent_of_roofline']:.1f}% by the fastest step, "
+                  f"{head['percent_of_roofline_median_step']:.1f}% by the median (in-place, context {head['context']})",
+                  met, f"{head['percent_of_roofline'] - 80:+.1f} points" + ("" if met else
+                  "; the remainder is compute and per-step overhead that a weight-streaming bound ignores"))
+
+
+def section_markdown(roof: dict) -> list[str]:
+    probes = {"read": "np.dot read", "copy": "np.copyto", "matmul": "ONNX Runtime MatMul read"}
+    bw = ", ".join(f"{probes[k.split('_')[0]]} ({k.split('_')[1]} threads) {v / 1e9:.1f} GB/s"
+                   for k, v in roof["bandwidth_bytes_per_s"].items())
+    bound_by = roof.get("bound_by", f"read_{roof['threads']}_threads").split("_")
+    rows = [[p["context"], f"{p['bound_ms']:.2f}", f"{p['fastest_ms']:.2f}", f"{p['median_ms']:.2f}",
+             f"{p['percent_of_roofline']:.1f}", f"{p['percent_of_roofline_median_step']:.1f}"] for p in roof["points"]]
+    return ["## 6. Roofline (batch 1, in-place)", "",
+            f"Bandwidth {bw} (the bound uses the best read: {probes[bound_by[0]]} at {bound_by[1]} threads); "
+            f"{roof['weight_bytes_per_step'] / 2**20:.0f} MiB of weights read per decode step.",
+            "", *table(["context", "bound (ms)", "fastest step (ms)", "median step (ms)", "% of roofline (fastest)",
+                         "% (median)"], rows)]
+
+
+def targets(results: dict) -> list[dict]:
+    return [roofline_target(results.get("roofline"))]
+
+
+def markdown(results: dict) -> list[str]:
+    return section_markdown(results["roofline"]) if rendered(results.get("roofline")) else []

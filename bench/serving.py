@@ -16,11 +16,12 @@ import queue
 import resource
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
-from bench.common import Params, run_module, say
+from bench.common import describe, Params, panels, rendered, run_module, say, section_ran, skipped, table, target
 
 # enough requests per level for a p99 without letting concurrency 64 dominate the run time
 REQUESTS_PER_STREAM = 2
@@ -47,10 +48,7 @@ def prompt_texts(engine_dir: Path, tokens: int, count: int) -> list[str]:
     raise RuntimeError(f"could not cut {count} prompts of {tokens} tokens from the held-out text")
 
 
-def percentiles(values: list[float]) -> dict:
-    a = np.asarray(values) * 1e3
-    return {"p50": round(float(np.percentile(a, 50)), 3), "p99": round(float(np.percentile(a, 99)), 3),
-            "mean": round(float(a.mean()), 3), "samples": int(a.size)}
+percentiles = partial(describe, scale=1e3, digits=3, stats=("p50", "p99", "mean", "samples"))  # seconds -> ms
 
 
 def own_cpu_seconds() -> float:
@@ -293,3 +291,102 @@ def run(params: Params, artifacts) -> dict:
                   "aiperf_openai": "ttft_ms / inter_token_ms / request_latency_ms in ms (p50, p99, avg); "
                                    "output_tokens_per_s in tokens/s (all streams)"},
     }
+
+
+# ---------------------------------------------------------------- report (targets, bench.md, plot)
+
+def serving_targets(serving: dict) -> list[dict]:
+    names = ("Aggregate tokens/s at concurrency 16 >= 4x concurrency 1 (Triton)", "Triton overhead vs in-process")
+    if not section_ran(serving):
+        return [skipped(names[0], ">= 4x", "serving section did not run"),
+                skipped(names[1], "<= 10%", "serving section did not run")]
+    by_c = {r["concurrency"]: r for r in serving["triton"]}
+    rows = []
+    if 16 in by_c and 1 in by_c:
+        ratio = by_c[16]["tokens_per_s"] / by_c[1]["tokens_per_s"]
+        rows.append(target(names[0], ">= 4x", f"{ratio:.2f}x", ratio >= 4, f"{ratio / 4:.2f}x the target"))
+    else:
+        rows.append(skipped(names[0], ">= 4x", "concurrency 16 not measured in this run (quick)"))
+    overhead = serving["overhead"]
+    worst = max(max(o["server_cpu"], o["inter_token_p50"]) for o in overhead.values())
+
+    def spread(o: dict, key: str) -> str:
+        return f"{o[key]:+.1f}% (pairs {min(o['by_pair'][key]):+.1f}..{max(o['by_pair'][key]):+.1f})"
+
+    rows.append(target(names[1], "server CPU per token and inter-token p50 <= +10% at every concurrency "
+                                 "(median over pairs of runs side by side)",
+                       "; ".join(f"c{c}: CPU {spread(o, 'server_cpu')}, inter-token {spread(o, 'inter_token_p50')}"
+                                 for c, o in overhead.items()), worst <= 10,
+                       "tokens/s " + ", ".join(f"c{c} {-o['tokens_per_s']:+.1f}%" for c, o in overhead.items())
+                       + " vs in-process. " + cpu_note(serving["triton"])))
+    return rows
+
+
+def cpu_note(triton_rows: list[dict]) -> str:
+    """Beside the server-side target: the client's CPU, which shares the cores with the engine."""
+    return ("Client process (tritonclient gRPC) CPU per token: "
+            + ", ".join(f"c{r['concurrency']} {r['cpu_ms_per_token']['client']:.2f} ms" for r in triton_rows)
+            + "; tritonserver: " + ", ".join(f"{r['cpu_ms_per_token']['tritonserver']:.2f}" for r in triton_rows) + " ms")
+
+
+def plot_serving(plt, serving: dict, path: Path) -> None:
+    def draw(left, right):
+        for color, mode in enumerate(("triton", "in_process")):
+            rows = serving[mode]
+            c = [r["concurrency"] for r in rows]
+            kw = {"color": f"C{color}"}
+            left.plot(c, [r["ttft_ms"]["p50"] for r in rows], "o-", label=f"TTFT p50 ({mode})", **kw)
+            left.plot(c, [r["ttft_ms"]["p99"] for r in rows], "o:", label=f"TTFT p99 ({mode})", **kw)
+            left.plot(c, [r["inter_token_ms"]["p50"] for r in rows], "s--", label=f"inter-token p50 ({mode})", **kw)
+            right.plot(c, [r["tokens_per_s"] for r in rows], "o-", label=mode, **kw)
+        left.set(xlabel="concurrent streams", ylabel="latency (ms)", yscale="log", title="Latency vs concurrency")
+        right.set(xlabel="concurrent streams", ylabel="aggregate tokens/s", title="Throughput vs concurrency")
+
+    panels(plt, path, serving, "serving", draw)
+
+
+def section_markdown(serving: dict) -> list[str]:
+    def cpu(r: dict) -> str:
+        return ", ".join(f"{part} {ms:.2f}" for part, ms in r["cpu_ms_per_token"].items() if ms or part == "client")
+
+    rows = [[mode, r["concurrency"], f"{r['ttft_ms']['p50']:.1f} / {r['ttft_ms']['p99']:.1f}",
+             f"{r['inter_token_ms']['p50']:.2f} / {r['inter_token_ms']['p99']:.2f}", f"{r['tokens_per_s']:.1f}", cpu(r)]
+            for mode in ("triton", "in_process") for r in serving[mode]]
+    overhead = [[c, f"{o['server_cpu']:+.1f}", f"{o['inter_token_p50']:+.1f}", f"{-o['tokens_per_s']:+.1f}"]
+                for c, o in serving["overhead"].items()]
+    return [f"## 5. Serving ({serving['prompt_tokens']}-token prompts, {serving['new_tokens']} new tokens, "
+            f"{serving['slots']} slots)", "",
+            *table(["mode", "concurrency", "TTFT p50 / p99 (ms)", "inter-token p50 / p99 (ms)", "tokens/s",
+                     "CPU ms per token, by process"], rows), "",
+            "Triton vs in-process, %, median over pairs of runs side by side (server CPU per token and "
+            "inter-token p50 are the target; tokens/s also pays for the client's CPU on the same cores):", "",
+            *table(["concurrency", "server CPU per token", "inter-token p50", "tokens/s"], overhead),
+            *aiperf_markdown(serving.get("aiperf_openai"))]
+
+
+def aiperf_markdown(aiperf: dict | None) -> list[str]:
+    if not aiperf:
+        return []
+    if "skipped" in aiperf:
+        return ["", f"OpenAI-compatible API (aiperf): skipped, {aiperf['skipped']}."]
+    rows = [[endpoint, r["concurrency"], "error: " + r["error"].strip().splitlines()[-1], "", "", ""]
+            if "error" in r else
+            [endpoint, r["concurrency"], f"{r['ttft_ms']['p50']:.1f} / {r['ttft_ms']['p99']:.1f}",
+             f"{r['inter_token_ms']['p50']:.2f} / {r['inter_token_ms']['p99']:.2f}", f"{r['output_tokens_per_s']:.1f}",
+             r["requests"]]
+            for endpoint in ("chat", "completions") for r in aiperf.get(endpoint, [])]
+    return ["", f"OpenAI-compatible API measured by {aiperf['tool']}:", "",
+            *table(["endpoint", "concurrency", "TTFT p50 / p99 (ms)", "inter-token p50 / p99 (ms)",
+                     "output tokens/s", "requests"], rows)]
+
+
+def targets(results: dict) -> list[dict]:
+    return serving_targets(results.get("serving"))
+
+
+def markdown(results: dict) -> list[str]:
+    return section_markdown(results["serving"]) if rendered(results.get("serving")) else []
+
+
+def plot(plt, results: dict, out: Path) -> None:
+    plot_serving(plt, results.get("serving"), out / "serving.png")

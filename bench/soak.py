@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common import describe
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def push(self, item):", "for i in range(",
            "with open(path) as f:", "def parse(text):\n    \"\"\""]
@@ -189,8 +191,10 @@ def served_repository(model: str, work: Path) -> Path:
     return work / "repo"
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    return round(float(np.percentile(values, q)) * 1000, 1) if values else None
+def latency_ms(seconds: list[float]) -> dict:
+    if not seconds:
+        return {"p50_ms": None, "p99_ms": None}
+    return describe(seconds, scale=1e3, digits=1, unit="_ms", stats=("p50", "p99"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                     stop_ms.append(record["stop_ms"])
         cancel_ms = [1000 * (engine[r] - left) for r, left in cancels.items() if r in engine]
         ready_at_end = server.ready()
-    kinds = {kind: {"outcomes": dict(s["outcomes"]), "p50_ms": percentile(s["latency"], 50),
-                    "p99_ms": percentile(s["latency"], 99), "examples": s["examples"]} for kind, s in stats.items()}
+    kinds = {kind: {"outcomes": dict(s["outcomes"]), **latency_ms(s["latency"]),
+                    "examples": s["examples"]} for kind, s in stats.items()}
     errors = sum(s["outcomes"].get("error", 0) for s in kinds.values())
     result = {
         "seconds": round(wall, 1), "concurrency": args.concurrency, "model": args.model, "mix": MIX,

@@ -3,7 +3,7 @@
 taking turns) and quality (perplexity, greedy agreement with the fp32 engine) on the trained model."""
 from __future__ import annotations
 
-from bench.common import Params, SectionError, say
+from bench.common import Params, SectionError, quality_cells, rendered, say, table
 from bench.kv_dtypes import quality, quality_setup
 from bench.peers import interleaved, kvforge_steps, prompts
 from kvforge.manifest import Manifest
@@ -62,3 +62,23 @@ def run(params: Params, artifacts) -> dict:
     if failed:
         raise SectionError(f"engines build refused {', '.join(failed)} weights", section)
     return section
+
+
+# ---------------------------------------------------------------- report (targets, bench.md, plot)
+
+def section_markdown(weights: dict) -> list[str]:
+    rows = [[r["weights"], f"{r['engine_bytes'] / 2**20:.1f}",
+             ", ".join(f"{s['decode_tokens_per_s']:.1f} (b{s['batch']})" for s in r["speed"]), *quality_cells(r)]
+            if "error" not in r else [r["weights"], "build refused: " + r["error"].strip().splitlines()[-1], *[""] * 4]
+            for r in weights["results"]]
+    return ["## 7. Weight quantization (ONNX Runtime engines)", "",
+            *table(["weights", "engine MiB", "decode tokens/s (batch)", "perplexity", "vs fp32",
+                     "greedy agreement (teacher-forced / free-running)"], rows)]
+
+
+def targets(results: dict) -> list[dict]:
+    return []
+
+
+def markdown(results: dict) -> list[str]:
+    return section_markdown(results["weights"]) if rendered(results.get("weights")) else []

@@ -20,7 +20,7 @@ from typing import Callable
 
 from kvforge.manifest import Manifest, ManifestError, cache_namespace
 from kvforge.block_hash import MAX_CACHE_SALT_BYTES
-from kvforge.errors import EngineError, QueueFullError, RequestError
+from kvforge.errors import EngineError, RequestError
 from kvforge.limits import DEFAULT_KV_CACHE_BYTES, Limits
 from runtime.kv.block_pool import HostBlockPool, default_kv_host_bytes
 from runtime.kv.manager import KVManager
@@ -84,7 +84,7 @@ class LLMEngine:
             self.tiers = LowerTiers(codec, tiers, wake=self._wake)
         self.kv = KVManager(self.runner, self.limits.slots, self.limits.kv_cache_bytes, pool, namespace, self.tiers,
                             optimistic=admission == "optimistic")
-        self.scheduler = Scheduler(self.runner, self.kv, self.limits.max_waiting, prefill_tokens,
+        self.scheduler = Scheduler(self.kv, manifest.max_seq_len, self.limits.max_waiting, prefill_tokens,
                                    solo_prefill_tokens)
         self._ids = itertools.count(1)
         self._closed = False

@@ -40,7 +40,7 @@ import numpy as np
 
 from kvforge.errors import QueueFullError
 from runtime.kv.manager import KVManager
-from runtime.runners.base import Batch, Runner
+from runtime.runners.base import Batch
 from runtime.sequence import RequestOutput, Sequence, Status
 
 MIX_PADDING_TOKENS = 16
@@ -55,9 +55,9 @@ LOAD_DEADLINE_FLOOR, LOAD_DEADLINE_UNMEASURED = 0.01, 2.0
 class Scheduler:
     """Not thread-safe: the engine serializes calls (schedule and postprocess under its lock)."""
 
-    def __init__(self, runner: Runner, kv: KVManager, max_waiting: int,
+    def __init__(self, kv: KVManager, max_seq_len: int, max_waiting: int,
                  prefill_tokens: int = PREFILL_TOKENS, solo_prefill_tokens: int = SOLO_PREFILL_TOKENS):
-        self.runner = runner
+        self.max_seq_len = max_seq_len
         self.kv = kv
         self.max_waiting = max_waiting
         self.prefill_tokens = prefill_tokens  # per prefill step while other sequences decode
@@ -166,18 +166,11 @@ class Scheduler:
         return outputs
 
     def _place(self, seq: Sequence, hit: list[int]) -> None:
-        """Append seq as a row, swapping it in front of the first decoding row."""
+        """Add seq as a row in front of the first decoding row (so a prefill step covers a short
+        prefix of rows)."""
         seq.status, seq.admitted = Status.RUNNING, time.perf_counter()
-        self.kv.make_room(len(self.running) + 1)
-        row = next((i for i, s in enumerate(self.running) if s.pending == 1), None)
-        if row is None:
-            row = len(self.running)
-            self.running.append(seq)
-        else:
-            decoding = self.running[row]
-            self.kv.move(row, len(self.running), decoding.num_cached)
-            self.running.append(decoding)
-            self.running[row] = seq
+        row = next((i for i, s in enumerate(self.running) if s.pending == 1), len(self.running))
+        self.kv.insert_row(self.running, row, seq)
         if seq.swapped_blocks is not None:
             self.kv.swap_in(seq, row, seq.swapped_blocks, len(self.running))
             seq.swapped_blocks = None
@@ -191,7 +184,7 @@ class Scheduler:
         row = self.running.index(seq)
         seq.swapped_blocks = self.kv.preempt(seq, row)
         self.counters["preempted_swap" if seq.swapped_blocks is not None else "preempted_recompute"] += 1
-        self._vacate(row)
+        self.kv.remove_row(self.running, row)
         self.kv.refit(self.running)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
@@ -212,7 +205,7 @@ class Scheduler:
             else:
                 kind, rows = "prefill", prefill_rows
         seqs = self.running[:rows]
-        width = min(width, min(self.runner.manifest.max_seq_len - s.num_cached for s in seqs))
+        width = min(width, min(self.max_seq_len - s.num_cached for s in seqs))
         self.kv.fit_capacity(max(s.num_cached for s in seqs) + width, len(self.running))
         return Batch.of(kind, seqs, width)
 
@@ -267,17 +260,8 @@ class Scheduler:
         if done:
             self._shrink()
 
-    def _vacate(self, row: int) -> Sequence:
-        """Take the sequence of `row` out of the batch; the last row moves into the hole."""
-        seq, last = self.running[row], len(self.running) - 1
-        if row != last:
-            self.kv.move(last, row, self.running[last].num_cached)
-            self.running[row] = self.running[last]
-        self.running.pop()
-        return seq
-
     def _remove(self, row: int) -> None:
-        seq = self._vacate(row)
+        seq = self.kv.remove_row(self.running, row)
         self.kv.release(seq)
         del self.requests[seq.request_id]
 

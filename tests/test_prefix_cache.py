@@ -273,7 +273,6 @@ def test_a_running_row_swaps_out_and_back_with_its_partial_block(fp32):
     pool = HostBlockPool(runner.block, 32 * runner.block.bytes_per_block)
     kv = KVManager(runner, slots=2, kv_cache_bytes=1 << 30, pool=pool, namespace=cache_namespace(runner.manifest))
     seq = Sequence(1, DOCUMENT, greedy(), print, None, frozenset())
-    kv.make_room(1)
     kv.fit_capacity(len(DOCUMENT) + 32, 1)
     logits = runner.step(np.array([DOCUMENT]), np.array([0]), np.array([len(DOCUMENT)]))[0, -1]
     seq.num_cached = len(DOCUMENT)

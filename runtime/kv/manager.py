@@ -102,7 +102,7 @@ class KVManager:
             self.swapped_blocks += len(swapped)
         return swapped
 
-    def make_room(self, sequences: int) -> None:
+    def _make_room(self, sequences: int) -> None:
         """Enough runner rows for `sequences` packed rows (the ones before keep their KV)."""
         rows = self._rows_for(sequences)
         if rows > self.runner.slots:
@@ -133,8 +133,25 @@ class KVManager:
             self.runner.resize(capacity, len(running), slots=slots)
             self.counters["resizes"] += 1
 
-    def move(self, src: int, dst: int, tokens: int) -> None:
-        self.runner.move(src, dst, tokens)
+    def insert_row(self, running: list[Sequence], row: int, seq: Sequence) -> None:
+        """seq becomes runner row `row` of the packed rows (running[i] is row i); the sequence
+        there moves, KV and all, to a new last row."""
+        self._make_room(len(running) + 1)
+        if row < len(running):
+            self.runner.move(row, len(running), running[row].num_cached)
+            running.append(running[row])
+            running[row] = seq
+        else:
+            running.append(seq)
+
+    def remove_row(self, running: list[Sequence], row: int) -> Sequence:
+        """Take row's sequence out of the packed rows; the last row moves into the hole."""
+        seq, last = running[row], len(running) - 1
+        if row != last:
+            self.runner.move(last, row, running[last].num_cached)
+            running[row] = running[last]
+        running.pop()
+        return seq
 
     @property
     def utilization(self) -> float:
