@@ -38,7 +38,7 @@ ifneq ($(KV_REDIS_URL),)
 export KVFORGE_KV_REDIS_URL := $(KV_REDIS_URL)
 endif
 
-.PHONY: setup export verify build-engines serve run test bench soak redis clean
+.PHONY: setup export verify build-engines serve run test bench soak redis redis-cluster clean
 
 setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -83,6 +83,14 @@ soak: setup
 # REDIS_MAXMEMORY under allkeys-lru, loopback only
 redis: setup
 	$(PY) -m launcher.redis_server --port $(REDIS_PORT) --maxmemory $(REDIS_MAXMEMORY)
+
+# a real local Redis Cluster for the shared KV tier, in the foreground (Ctrl-C stops every node):
+# primaries on REDIS_CLUSTER_PORTS (each also takes port + 10000 for the cluster bus), REDIS_CLUSTER_REPLICAS
+# replicas per primary on the ports after them; serve with KV_REDIS_URL=redis://127.0.0.1:7001/0
+REDIS_CLUSTER_PORTS ?= 7001,7002,7003
+REDIS_CLUSTER_REPLICAS ?= 0
+redis-cluster: setup
+	$(PY) -m launcher.redis_cluster --ports $(REDIS_CLUSTER_PORTS) --replicas $(REDIS_CLUSTER_REPLICAS) --maxmemory $(REDIS_MAXMEMORY)
 
 test: setup
 	$(PY) -m pytest -q

@@ -14,6 +14,10 @@ import numpy as np
 
 HASH_BYTES = 16  # 128-bit names: no collision between the blocks of any realistic cache
 MAX_CACHE_SALT_BYTES = 256
+# Consecutive blocks of a chain that a distributed store keeps together (one Redis Cluster slot):
+# losing a node then cuts a prefix at a group boundary. 16 blocks of 16 tokens = 256 tokens, the
+# chunk LMCache stores; see runtime/kv/tiers/redis.py.
+PLACEMENT_BLOCKS = 16
 
 
 def root_hash(namespace: bytes, salt: bytes | None) -> bytes:
@@ -26,3 +30,9 @@ def root_hash(namespace: bytes, salt: bytes | None) -> bytes:
 
 def block_hash(parent: bytes, token_ids) -> bytes:
     return hashlib.blake2b(parent + np.asarray(token_ids, "<i4").tobytes(), digest_size=HASH_BYTES).digest()
+
+
+def placement_tags(chain: list[bytes], start: int, count: int) -> list[bytes]:
+    """The placement tags of blocks start..start+count-1 of a chain (chain[i] = block i's hash):
+    the hash of the first block of each one's group."""
+    return [chain[i - i % PLACEMENT_BLOCKS] for i in range(start, start + count)]

@@ -1,8 +1,8 @@
 """The KVFORGE_* environment: what the launcher hands the llm model's process, written and read here.
 
 Serving knobs travel by environment, never in the model config, so a path or a Redis password
-never reaches model metadata or logs. `model_environment` is the launcher's side,
-`engine_options` / `serving_options` the model's.
+never reaches model metadata or logs. `model_environment` is the launcher's side;
+the llm model reads the same names, with `engine_options` and `seconds`.
 """
 from __future__ import annotations
 
@@ -72,4 +72,4 @@ def threads(environ: Mapping[str, str] = os.environ) -> int | None:
     value = environ.get(THREADS, "")
     if not (value.isdigit() or value == ""):
         raise ValueError(f"{THREADS} must be a whole number (got {value!r})")
-    return int(value) or None if value else None
+    return int(value) if value and int(value) > 0 else None

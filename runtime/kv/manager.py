@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from kvforge.block_hash import block_hash, root_hash
+from kvforge.block_hash import block_hash, placement_tags, root_hash
 from runtime.kv.block_pool import HostBlockPool
 from runtime.kv.tiers.lower import LowerTiers
 from runtime.runners.base import Runner
@@ -212,7 +212,7 @@ class KVManager:
         data = self.runner.read_blocks(row, start, len(hashes))
         ids = self.pool.put(data, hashes)
         if self.tiers is not None:  # write-behind: every full block reaches disk / Redis when it is made
-            self.tiers.store(hashes, data)
+            self.tiers.store(hashes, data, placement_tags(seq.block_hashes, start, len(hashes)))
         self.counters["copy_out_seconds"] += time.perf_counter() - began
         self.counters["copy_out_blocks"] += len(hashes)
         seq.pool_blocks += ids
@@ -233,7 +233,8 @@ class KVManager:
             return False
         self.pool.acquire(hit)
         self.loading_refs[seq.request_id] = list(hit)
-        self.tiers.request_load(seq.request_id, hashes, recompute_seconds)
+        tags = placement_tags(seq.block_hashes, len(hit), len(hashes))
+        self.tiers.request_load(seq.request_id, hashes, tags, recompute_seconds)
         return True
 
     def finish_loads(self) -> list[int]:

@@ -2,7 +2,8 @@
 
 A tier stores encoded entries (tiers/codec.py) by block hash. `get_many` returns the leading
 run of the hashes it holds, decoded; `put_many` stores entries; neither raises on a fault: a
-failing tier is a miss, counted in its stats. `present` is a cheap upper bound of that run, for
+failing tier is a miss, counted in its stats. Both take the blocks' placement tags (which
+blocks a distributed tier keeps together); a local tier ignores them. `present` is a cheap upper bound of that run, for
 the load-or-recompute estimate.
 """
 from __future__ import annotations
@@ -74,12 +75,13 @@ class Tier(ABC):
         return len(hashes)
 
     @abstractmethod
-    def get_many(self, hashes: list[bytes]) -> list[Arrays]:
-        """The leading run of hashes the tier holds, decoded and checked."""
+    def get_many(self, hashes: list[bytes], tags: list[bytes] | None = None) -> list[Arrays]:
+        """The leading run of hashes the tier holds, decoded and checked. tags: each block's
+        placement tag (kvforge.block_hash.placement_tags), for a tier that spreads blocks over nodes."""
 
     @abstractmethod
-    def put_many(self, entries: list[tuple[bytes, bytes]]) -> None:
-        """Store encoded entries (block hash, entry bytes)."""
+    def put_many(self, entries: list[tuple[bytes, bytes]], tags: list[bytes] | None = None) -> None:
+        """Store encoded entries (block hash, entry bytes), with their placement tags."""
 
     def close(self) -> None:
         pass

@@ -81,7 +81,7 @@ class DiskTier(Tier):
         with self.lock:
             return next((i for i, h in enumerate(hashes) if h not in self.index), len(hashes))
 
-    def get_many(self, hashes: list[bytes]) -> list[Arrays]:
+    def get_many(self, hashes: list[bytes], tags: list[bytes] | None = None) -> list[Arrays]:
         """The leading run; a bad file ends it (a chain does not continue past a hole)."""
         found = []
         for block_hash in hashes:
@@ -121,7 +121,7 @@ class DiskTier(Tier):
         self.stats.count("miss_blocks")
         self.stats.count("corrupt_blocks" if corrupt else "errors")
 
-    def put_many(self, entries: list[tuple[bytes, bytes]]) -> None:
+    def put_many(self, entries: list[tuple[bytes, bytes]], tags: list[bytes] | None = None) -> None:
         for block_hash, raw in entries:
             self._put(block_hash, raw)
 

@@ -43,11 +43,14 @@ class LowerTiers:
 
     # ------------------------------------------------------------------ writes (engine thread: never blocks)
 
-    def store(self, hashes: list[bytes], data: dict[str, np.ndarray]) -> None:
-        """Queue blocks i of data[name][i] (fresh copies, as read_blocks returns them) under hashes[i]."""
+    def store(self, hashes: list[bytes], data: dict[str, np.ndarray], tags: list[bytes] | None = None,
+              tiers: list[Tier] | None = None) -> None:
+        """Queue blocks i of data[name][i] (fresh copies, as read_blocks returns them) under hashes[i]
+        with placement tags[i] (default: each block its own group), for `tiers` (default: all)."""
+        tags = tags or hashes
         for i, h in enumerate(hashes):
             try:
-                self.writes.put_nowait((h, {name: array[i] for name, array in data.items()}))
+                self.writes.put_nowait((h, tags[i], {name: array[i] for name, array in data.items()}, tiers))
             except queue.Full:
                 self.counters["tier_write_dropped_blocks"] += len(hashes) - i
                 return
@@ -57,7 +60,7 @@ class LowerTiers:
         write-behind may have been dropped)."""
         tier = self.demote_to
         if tier is not None and tier.enabled and not tier.contains(block_hash):
-            self.store([block_hash], {name: array[None].copy() for name, array in read().items()})
+            self.store([block_hash], {name: array[None].copy() for name, array in read().items()}, tiers=[tier])
 
     def _write_loop(self) -> None:
         while True:
@@ -74,20 +77,23 @@ class LowerTiers:
                     self.writes.put(None)
                     break
                 batch.append(item)
-            entries = [(h, self.codec.encode(h, arrays)) for h, arrays in batch]
+            encoded = [(h, tag, self.codec.encode(h, arrays), tiers) for h, tag, arrays, tiers in batch]
             for tier in self.tiers:
-                tier.put_many(entries)
+                mine = [(h, tag, raw) for h, tag, raw, tiers in encoded if tiers is None or tier in tiers]
+                if mine:
+                    tier.put_many([(h, raw) for h, _, raw in mine], [tag for _, tag, _ in mine])
 
     # ------------------------------------------------------------------ loads (off the step loop)
 
-    def request_load(self, request_id: int, hashes: list[bytes], recompute_seconds: float | None) -> None:
+    def request_load(self, request_id: int, hashes: list[bytes], tags: list[bytes],
+                     recompute_seconds: float | None) -> None:
         self.counters["tier_loads"] += 1
-        self.loads.put((request_id, hashes, recompute_seconds))
+        self.loads.put((request_id, hashes, tags, recompute_seconds))
 
     def estimate(self, tier, blocks: int) -> float:
         return tier.stats.estimate(blocks * self.codec.entry_bytes)
 
-    def _load(self, hashes: list[bytes], recompute_seconds: float | None) -> list[Arrays]:
+    def _load(self, hashes: list[bytes], tags: list[bytes], recompute_seconds: float | None) -> list[Arrays]:
         """The leading run of hashes found in the first tier, continued from the next; a tier
         expected to be slower than recomputing those tokens is skipped."""
         found: list[Arrays] = []
@@ -101,7 +107,7 @@ class LowerTiers:
             if recompute_seconds is not None and self.estimate(tier, wanted) > recompute_seconds * wanted / len(hashes):
                 self.counters["tier_loads_abandoned"] += 1
                 break
-            got = tier.get_many(rest[:wanted])
+            got = tier.get_many(rest[:wanted], tags[len(found):len(found) + wanted])
             found += got
             if len(got) < wanted:
                 break  # an entry went bad or is gone: a chain does not continue past a hole
@@ -112,9 +118,9 @@ class LowerTiers:
             item = self.loads.get()
             if item is None:
                 return
-            request_id, hashes, recompute_seconds = item
+            request_id, hashes, tags, recompute_seconds = item
             try:
-                found = self._load(hashes, recompute_seconds)
+                found = self._load(hashes, tags, recompute_seconds)
             except Exception:  # a tier bug must cost a miss, not the loader
                 log.exception("loading KV blocks failed")
                 found = []

@@ -1,5 +1,14 @@
-"""The Redis tier that several replicas share. A Redis that is down, killed or restarted empty
-costs misses and counted errors, and is retried after an exponential backoff."""
+"""The Redis tier that several replicas share: one Redis server, or a Redis Cluster (detected from
+any node's URL; no flag). A Redis that is down, killed or restarted empty costs misses and
+counted errors, and is retried after an exponential backoff; in a cluster, per node, so a dead
+primary costs only the blocks it held.
+
+Keys: kvforge:<namespace hex>:{<placement tag hex>}:<block hash hex>. The braces are Redis
+Cluster's hash tag: the blocks of one placement group (kvforge.block_hash.placement_tags,
+PLACEMENT_BLOCKS consecutive blocks of a chain) share a slot, so a dead primary cuts a prefix
+at a group boundary instead of at the first block it held (per-block keys spread a prefix over
+every slot: with one primary of three dead, a prefix keeps ~2 blocks on average).
+"""
 from __future__ import annotations
 
 import logging
@@ -13,72 +22,163 @@ log = logging.getLogger("kvforge.tiers")
 
 REDIS_TIMEOUT_SECONDS = 1.0
 BACKOFF_SECONDS = (0.5, 8.0)  # first retry after a Redis failure, and the cap of the doubling
+URL_FORMAT = "redis://[:PASSWORD@]HOST:PORT/DB or rediss://..."
+
+
+class Backoff:
+    """When a failing endpoint may be tried again: doubling waits, reset by a success."""
+
+    def __init__(self, what: str):
+        self.what, self.retry_at, self.wait, self.down = what, 0.0, BACKOFF_SECONDS[0], False
+        self.lock = threading.Lock()
+
+    def available(self) -> bool:
+        return time.monotonic() >= self.retry_at
+
+    def failed(self, e: Exception) -> None:
+        with self.lock:
+            if not self.down:  # once per outage; redis-py's message names host and port, never the password
+                log.warning("%s is unreachable (%s: %s); misses until it is back", self.what, type(e).__name__, e)
+            self.down = True
+            self.retry_at = time.monotonic() + self.wait
+            self.wait = min(self.wait * 2, BACKOFF_SECONDS[1])
+
+    def ok(self) -> None:
+        with self.lock:
+            if self.down:
+                log.warning("%s is reachable again", self.what)
+            self.down, self.wait = False, BACKOFF_SECONDS[0]
 
 
 class RedisTier(Tier):
-    """One key per block, kvforge:<namespace hex>:<hash hex>, value = the whole entry. Shared by
-    every replica of the same model (the namespace and hash chain are the same in every process);
-    two replicas writing one key write the same bytes. Eviction is Redis's (maxmemory with
-    allkeys-lru, or the optional TTL with volatile-lru)."""
+    """Value = the whole entry. Shared by every replica of the same model (the namespace, the hash
+    chain and the placement tags are the same in every process); two replicas writing one key
+    write the same bytes. Eviction is Redis's (maxmemory with allkeys-lru, or the optional TTL
+    with volatile-lru)."""
 
     name = "redis"
 
     def __init__(self, url: str, codec: BlockCodec, ttl_seconds: int | None = None):
         import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
+        import redis.connection
 
-        self.codec, self.ttl = codec, ttl_seconds
+        self.codec, self.ttl, self.url = codec, ttl_seconds, url
         self.stats = TierStats(self.name)
         self.prefix = b"kvforge:" + codec.namespace.hex().encode() + b":"
         self.errors = (redis.RedisError, OSError)
-        try:  # our own backoff instead of redis-py's retries: a failing call returns at once as a miss
-            self.client = redis.Redis.from_url(url, socket_timeout=REDIS_TIMEOUT_SECONDS,
-                                               socket_connect_timeout=REDIS_TIMEOUT_SECONDS,
-                                               retry=Retry(NoBackoff(), 0))
-        except ValueError:  # the URL may hold a password: never repeat it
-            raise ValueError("the KV Redis URL is not valid: redis://[:PASSWORD@]HOST:PORT/DB or rediss://...") from None
-        self.retry_at, self.backoff, self.down = 0.0, BACKOFF_SECONDS[0], False
-        self.lock = threading.Lock()
+        try:  # the URL may hold a password: never repeat it
+            self.database = int(redis.connection.parse_url(url).get("db") or 0)
+        except ValueError:
+            raise ValueError(f"the KV Redis URL is not valid: {URL_FORMAT}") from None
+        self.client = None  # connected on first use: a Redis down at start is retried on the backoff
+        self.cluster = False
+        self.backoff = Backoff("the Redis KV tier")
+        self.node_backoff: dict[str, Backoff] = {}
+        self.connect_lock = threading.Lock()
 
-    def key(self, block_hash: bytes) -> bytes:
-        return self.prefix + block_hash.hex().encode()
+    def key(self, block_hash: bytes, tag: bytes | None = None) -> bytes:
+        """The block's key; tag: its placement tag (default: the block is its own group)."""
+        return self.prefix + b"{" + (tag or block_hash).hex().encode() + b"}:" + block_hash.hex().encode()
+
+    def _connect(self):
+        """The client: redis.Redis, or redis.cluster.RedisCluster when the node says it is in one."""
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.cluster import RedisCluster
+        from redis.retry import Retry
+
+        with self.connect_lock:
+            if self.client is not None:
+                return self.client
+            # our own backoff instead of redis-py's retries: a failing call returns at once as a miss
+            options = dict(socket_timeout=REDIS_TIMEOUT_SECONDS, socket_connect_timeout=REDIS_TIMEOUT_SECONDS,
+                           retry=Retry(NoBackoff(), 0))
+            probe = redis.Redis.from_url(self.url, **options)
+            probe.connection_pool.connection_kwargs["db"] = 0  # a cluster node refuses SELECT of another database
+            try:
+                in_cluster = bool(probe.info("cluster").get("cluster_enabled"))
+            finally:
+                probe.close()
+            if not in_cluster:
+                self.client = redis.Redis.from_url(self.url, **options)
+                return self.client
+            if self.database != 0:
+                self.enabled = False
+                log.warning("the Redis KV tier is off: the KV Redis URL names a Redis Cluster node and database %d, "
+                            "but a cluster has database 0 only", self.database)
+                return None
+            self.client = RedisCluster.from_url(self.url, require_full_coverage=False, **options)
+            self.cluster = True
+            return self.client
 
     def available(self) -> bool:
-        return time.monotonic() >= self.retry_at
+        return self.enabled and self.backoff.available()
 
-    def _failed(self, e: Exception) -> None:
-        with self.lock:
-            if not self.down:  # once per outage; redis-py's message names host and port, never the password
-                log.warning("the Redis KV tier is unreachable (%s: %s); misses until it is back",
-                            type(e).__name__, e)
-            self.down = True
-            self.retry_at = time.monotonic() + self.backoff
-            self.backoff = min(self.backoff * 2, BACKOFF_SECONDS[1])
-        self.stats.count("errors")
+    def _by_node(self, keys: list[bytes]) -> list[tuple[str, object, list[int]]]:
+        """(node name, its client, indices of keys) for one pipeline per node: one round trip each."""
+        client = self._connect()
+        if client is None:
+            return []
+        if not self.cluster:
+            return [("", client, list(range(len(keys))))]
+        groups: dict[str, tuple[object, list[int]]] = {}
+        for i, key in enumerate(keys):
+            node = client.get_node_from_key(key)
+            groups.setdefault(node.name, (node, []))[1].append(i)
+        return [(name, client.get_redis_connection(node), indices) for name, (node, indices) in groups.items()]
 
-    def _ok(self) -> None:
-        with self.lock:
-            if self.down:
-                log.warning("the Redis KV tier is reachable again")
-            self.down, self.backoff = False, BACKOFF_SECONDS[0]
+    def _pipelined(self, keys: list[bytes], add) -> list:
+        """Run add(pipe, key) for every key, one pipeline per node; a node that fails (or a key
+        whose slot moved) gives None for its keys, counted as an error, and refreshes the slot map."""
+        try:
+            groups = self._by_node(keys)
+        except self.errors as e:
+            self.backoff.failed(e)
+            self.stats.count("errors")
+            return [None] * len(keys)
+        results, stale = [None] * len(keys), False
+        for name, client, indices in groups:
+            node = self.node_backoff.setdefault(name, Backoff(f"Redis Cluster node {name}")) if self.cluster \
+                else self.backoff
+            if not node.available():
+                continue
+            try:
+                pipe = client.pipeline(transaction=False)
+                for i in indices:
+                    add(pipe, keys[i])
+                replies = pipe.execute(raise_on_error=False)
+            except self.errors as e:
+                node.failed(e)
+                self.stats.count("errors")
+                stale = self.cluster
+                continue
+            node.ok()
+            self.backoff.ok()
+            for i, reply in zip(indices, replies):
+                if isinstance(reply, Exception):  # e.g. MOVED after a failover
+                    stale = self.cluster
+                    self.stats.count("errors")
+                else:
+                    results[i] = reply
+        if stale:
+            self._refresh_slots()
+        return results
 
-    def get_many(self, hashes: list[bytes]) -> list[Arrays]:
-        """The leading run of hashes that Redis holds, in one pipelined round trip."""
+    def _refresh_slots(self) -> None:
+        try:
+            self.client.nodes_manager.initialize()
+        except self.errors as e:
+            log.debug("refreshing the Redis Cluster slot map failed: %s", e)
+
+    def get_many(self, hashes: list[bytes], tags: list[bytes] | None = None) -> list[Arrays]:
+        """The leading run of hashes that Redis holds (tags: their placement tags; default: each
+        block its own group)."""
         if not hashes or not self.available():
             self.stats.count("miss_blocks", len(hashes))
             return []
         began = time.perf_counter()
-        try:
-            pipe = self.client.pipeline(transaction=False)
-            for h in hashes:
-                pipe.get(self.key(h))
-            values = pipe.execute()
-        except self.errors as e:
-            self._failed(e)
-            self.stats.count("miss_blocks", len(hashes))
-            return []
-        self._ok()
+        keys = [self.key(h, t) for h, t in zip(hashes, tags or hashes)]
+        values = self._pipelined(keys, lambda pipe, key: pipe.get(key))
         found = []
         for h, raw in zip(hashes, values):
             if raw is None:
@@ -95,20 +195,15 @@ class RedisTier(Tier):
         self.stats.count("read_bytes", nbytes)
         return found
 
-    def put_many(self, entries: list[tuple[bytes, bytes]]) -> None:
+    def put_many(self, entries: list[tuple[bytes, bytes]], tags: list[bytes] | None = None) -> None:
         if not entries or not self.available():
             return
-        try:
-            pipe = self.client.pipeline(transaction=False)
-            for h, raw in entries:
-                pipe.set(self.key(h), raw, ex=self.ttl)
-            pipe.execute()
-        except self.errors as e:
-            self._failed(e)
-            return
-        self._ok()
-        self.stats.count("written_blocks", len(entries))
-        self.stats.count("written_bytes", sum(len(raw) for _, raw in entries))
+        raw_of = {self.key(h, t): raw for (h, raw), t in zip(entries, tags or [h for h, _ in entries])}
+        replies = self._pipelined(list(raw_of), lambda pipe, key: pipe.set(key, raw_of[key], ex=self.ttl))
+        stored = [raw for raw, reply in zip(raw_of.values(), replies) if reply]
+        self.stats.count("written_blocks", len(stored))
+        self.stats.count("written_bytes", sum(map(len, stored)))
 
     def close(self) -> None:
-        self.client.close()
+        if self.client is not None:
+            self.client.close()
