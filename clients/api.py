@@ -1,8 +1,9 @@
 """A small client for the `llm` model: gRPC stream_infer, HTTP generate and generate_stream.
 
-Needs only tritonclient and numpy (HTTP generate uses the standard library: tritonclient has no
-generate API). Every call yields text deltas with their arrival time, so TTFT and token rates
-are measured where the user sees them:
+Needs only tritonclient, numpy and kvforge's wire contract (kvforge/llm_io.py; HTTP generate
+uses the standard library: tritonclient has no generate API). Every call yields text deltas
+with their arrival time (TimedDelta), so TTFT and token rates are measured where the user sees
+them:
 
     client = LLMClient("127.0.0.1:8001")
     for delta in client.stream("def f(x):", max_tokens=32):
@@ -28,16 +29,15 @@ from typing import Iterator
 
 import numpy as np
 
+from kvforge import llm_io
+from kvforge.llm_io import Delta
+
 MODEL = "llm"
 DEFAULT_URLS = {"grpc": "127.0.0.1:8001", "http": "127.0.0.1:8000"}
-# input name -> (Triton datatype, numpy dtype); the names of the TensorRT-LLM/vLLM backends
-INPUTS = {"text_input": ("BYTES", np.object_), "max_tokens": ("INT32", np.int32),
-          "temperature": ("FP32", np.float32), "top_p": ("FP32", np.float32), "top_k": ("INT32", np.int32),
-          "seed": ("UINT64", np.uint64), "stop_words": ("BYTES", np.object_), "stream": ("BOOL", np.bool_),
-          "repetition_penalty": ("FP32", np.float32), "presence_penalty": ("FP32", np.float32),
-          "frequency_penalty": ("FP32", np.float32), "min_tokens": ("INT32", np.int32),
-          "bad_words": ("BYTES", np.object_), "end_id": ("INT32", np.int32),
-          "exclude_input_in_output": ("BOOL", np.bool_)}
+# the llm inputs a request may carry (datatypes: kvforge/llm_io.py)
+OPTIONS = ("text_input", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_words", "stream",
+          "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "bad_words", "end_id",
+          "ignore_eos", "exclude_input_in_output")
 GRPC_OUTPUTS = ("text_output", "output_ids")  # what a stream reads; the server builds only these
 MAX_GRPC_MESSAGE_BYTES = 2**31 - 1  # what tritonclient's own channels allow (gRPC's default receive: 4 MiB)
 
@@ -46,10 +46,10 @@ class GenerationError(RuntimeError):
     """The server refused or failed the request; the message is the server's."""
 
 
-@dataclass
-class Delta:
-    text: str
-    token_ids: list[int]
+@dataclass(kw_only=True)
+class TimedDelta(Delta):
+    """One response as the client received it."""
+
     time: float  # seconds from sending the request
     final: bool
 
@@ -67,7 +67,7 @@ class Completion:
         decode = self.elapsed - (self.ttft or 0.0)
         return (len(self.token_ids) - 1) / decode if len(self.token_ids) > 1 and decode > 0 else 0.0
 
-    def add(self, delta: Delta) -> None:
+    def add(self, delta: TimedDelta) -> None:
         if delta.token_ids and self.ttft is None:
             self.ttft = delta.time
         self.text += delta.text
@@ -76,11 +76,11 @@ class Completion:
 
 
 def request_fields(prompt: str | bytes, max_tokens: int, stream: bool = True, **options) -> dict:
-    """The request's inputs by name (INPUTS: temperature, top_k, top_p, seed, stop_words, ...);
+    """The request's inputs by name (OPTIONS: temperature, top_k, top_p, seed, stop_words, ...);
     options left as None are not sent (the server's defaults)."""
-    unknown = sorted(set(options) - set(INPUTS))
+    unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
-        raise ValueError(f"unknown options {', '.join(unknown)}; the llm model takes {', '.join(INPUTS)}")
+        raise ValueError(f"unknown options {', '.join(unknown)}; the llm model takes {', '.join(OPTIONS)}")
     fields = dict(text_input=prompt, max_tokens=max_tokens, stream=stream, **options)
     return {k: v for k, v in fields.items() if v is not None}
 
@@ -93,12 +93,13 @@ def grpc_request(model: str, fields: dict):
 
     request = service_pb2.ModelInferRequest(model_name=model)
     for name, value in fields.items():
-        datatype, dtype = INPUTS[name]
-        data = np.array([value if isinstance(value, list) else [value]], dtype=dtype)
-        if datatype == "BYTES":
+        spec = llm_io.INPUTS[name]
+        data = np.array([value if isinstance(value, list) else [value]], dtype=spec.numpy_dtype)
+        if spec.datatype == "BYTES":
             data = np.vectorize(lambda v: v.encode("utf-8") if isinstance(v, str) else v, otypes=[object])(data)
-        request.inputs.add(name=name, datatype=datatype, shape=data.shape)
-        request.raw_input_contents.append(serialize_byte_tensor(data).item() if datatype == "BYTES" else data.tobytes())
+        request.inputs.add(name=name, datatype=spec.datatype, shape=data.shape)
+        request.raw_input_contents.append(serialize_byte_tensor(data).item() if spec.datatype == "BYTES"
+                                          else data.tobytes())
     for name in GRPC_OUTPUTS:  # only these: the server then builds and sends nothing else per token
         request.outputs.add(name=name)
     request.parameters["triton_enable_empty_final_response"].bool_param = True
@@ -114,7 +115,7 @@ class LLMClient:
         self.url, self.protocol, self.model, self.timeout = url or DEFAULT_URLS[protocol], protocol, model, timeout
         self._stub, self._stub_lock = None, threading.Lock()
 
-    def stream(self, prompt: str | bytes, max_tokens: int = 16, **options) -> Iterator[Delta]:
+    def stream(self, prompt: str | bytes, max_tokens: int = 16, **options) -> Iterator[TimedDelta]:
         fields = request_fields(prompt, max_tokens, stream=True, **options)
         return self._grpc(fields) if self.protocol == "grpc" else self._http(fields, "generate_stream")
 
@@ -144,7 +145,7 @@ class LLMClient:
                 self._stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
             return self._stub
 
-    def _grpc(self, fields: dict) -> Iterator[Delta]:
+    def _grpc(self, fields: dict) -> Iterator[TimedDelta]:
         import grpc
         from tritonclient.grpc import InferResult
 
@@ -159,9 +160,7 @@ class LLMClient:
                 arrived = time.perf_counter()
                 result = InferResult(response.infer_response)
                 finished = response.infer_response.parameters["triton_final_response"].bool_param
-                text, ids = (result.as_numpy(name) for name in GRPC_OUTPUTS)
-                yield Delta(b"".join(text.reshape(-1)).decode("utf-8") if text is not None else "",
-                            ids.reshape(-1).tolist() if ids is not None else [], arrived - started, finished)
+                yield TimedDelta.from_result(result, time=arrived - started, final=finished)
                 if finished:
                     return
             raise GenerationError(f"{self.url} closed the stream before the final response")
@@ -176,7 +175,7 @@ class LLMClient:
 
     # ------------------------------------------------------------------ HTTP
 
-    def _http(self, fields: dict, endpoint: str) -> Iterator[Delta]:
+    def _http(self, fields: dict, endpoint: str) -> Iterator[TimedDelta]:
         if isinstance(fields["text_input"], bytes):
             raise ValueError("HTTP generate carries JSON text; send raw bytes over gRPC")
         request = urllib.request.Request(f"http://{self.url}/v2/models/{self.model}/{endpoint}",
@@ -207,9 +206,7 @@ class LLMClient:
         return body.decode(errors="replace") or "HTTP error without a message"
 
     @staticmethod
-    def _http_delta(body: dict, started: float, final: bool) -> Delta:
+    def _http_delta(body: dict, started: float, final: bool) -> TimedDelta:
         if "error" in body:
             raise GenerationError(body["error"])
-        ids = body.get("output_ids", [])
-        return Delta(body.get("text_output", ""), ids if isinstance(ids, list) else [ids],
-                     time.perf_counter() - started, final)
+        return TimedDelta.from_json(body, time=time.perf_counter() - started, final=final)

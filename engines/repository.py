@@ -21,6 +21,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from kvforge import llm_io
 from kvforge.cli import fail_cleanly
 from kvforge.manifest import Manifest, ManifestError
 from kvforge.limits import DEFAULT_KV_CACHE_BYTES, Limits
@@ -42,55 +43,13 @@ def tensor(name: str, dtype: str, dims: list[int], optional: bool = False, ragge
     return f'  {{ name: "{name}" data_type: {dtype} dims: {dims}{extra} }}'
 
 
-# The llm model's inputs: TensorRT-LLM's ensemble / tensorrt_llm_bls names and dtypes, plus the
-# tensorrt_llm model's input_ids / input_lengths / request_output_len / stop that llama-index
-# sends to cancel (request_output_len UINT32 as it sends it), and older aliases of renamed
-# inputs (random_seed, min_length). README "Inputs and outputs" says what each does.
-LLM_INPUTS = [
-    tensor("text_input", "TYPE_STRING", [1], optional=True),
-    tensor("input_ids", "TYPE_INT32", [-1], optional=True, ragged=True),
-    tensor("input_lengths", "TYPE_INT32", [1], optional=True),
-    tensor("max_tokens", "TYPE_INT32", [1], optional=True),
-    tensor("request_output_len", "TYPE_UINT32", [1], optional=True),
-    tensor("stream", "TYPE_BOOL", [1], optional=True),
-    tensor("stop", "TYPE_BOOL", [1], optional=True),
-    tensor("exclude_input_in_output", "TYPE_BOOL", [1], optional=True),
-    tensor("stop_words", "TYPE_STRING", [-1], optional=True, ragged=True),
-    tensor("bad_words", "TYPE_STRING", [-1], optional=True, ragged=True),
-    tensor("end_id", "TYPE_INT32", [1], optional=True),
-    tensor("pad_id", "TYPE_INT32", [1], optional=True),
-    tensor("temperature", "TYPE_FP32", [1], optional=True),
-    tensor("top_k", "TYPE_INT32", [1], optional=True),
-    tensor("top_p", "TYPE_FP32", [1], optional=True),
-    tensor("seed", "TYPE_UINT64", [1], optional=True),
-    tensor("random_seed", "TYPE_UINT64", [1], optional=True),
-    tensor("repetition_penalty", "TYPE_FP32", [1], optional=True),
-    tensor("presence_penalty", "TYPE_FP32", [1], optional=True),
-    tensor("frequency_penalty", "TYPE_FP32", [1], optional=True),
-    tensor("min_tokens", "TYPE_INT32", [1], optional=True),
-    tensor("min_length", "TYPE_INT32", [1], optional=True),
-    tensor("length_penalty", "TYPE_FP32", [1], optional=True),
-    tensor("beam_width", "TYPE_INT32", [1], optional=True),
-    tensor("num_return_sequences", "TYPE_INT32", [1], optional=True),
-    tensor("return_log_probs", "TYPE_BOOL", [1], optional=True),
-    tensor("return_num_input_tokens", "TYPE_BOOL", [1], optional=True),
-    tensor("return_num_output_tokens", "TYPE_BOOL", [1], optional=True),
-    # the prefix cache: a tenant's salt, and the operator's clear (needs the control key)
-    tensor("cache_salt", "TYPE_STRING", [1], optional=True),
-    tensor("clear_prefix_cache", "TYPE_BOOL", [1], optional=True),
-    tensor("control_key", "TYPE_STRING", [1], optional=True),
-]
-LLM_OUTPUTS = [
-    tensor("text_output", "TYPE_STRING", [-1]),
-    tensor("output_ids", "TYPE_INT32", [-1]),
-    tensor("num_input_tokens", "TYPE_INT32", [1]),
-    tensor("num_output_tokens", "TYPE_INT32", [1]),  # tokens in this response
-    tensor("sequence_length", "TYPE_INT32", [1]),  # tokens generated so far
-    tensor("finish_reason", "TYPE_STRING", [1]),  # "" until the last response
-    tensor("cum_log_probs", "TYPE_FP32", [-1]),
-    tensor("output_log_probs", "TYPE_FP32", [-1, -1]),
-    tensor("cached_tokens", "TYPE_INT32", [1]),  # prompt tokens served by the prefix cache
-]
+def contract(tensors: dict[str, llm_io.Tensor]) -> list[str]:
+    return [tensor(t.name, t.config_type, list(t.dims), t.optional, t.ragged) for t in tensors.values()]
+
+
+# The llm model's inputs and outputs are kvforge/llm_io.py's; the TensorRT-LLM aliases take the same
+LLM_INPUTS = contract(llm_io.INPUTS)
+LLM_OUTPUTS = contract(llm_io.OUTPUTS)
 # The vLLM backend's inputs and outputs (its model.py's auto-completed config), with max_batch_size 0
 VLLM_INPUTS = [
     tensor("text_input", "TYPE_STRING", [1]),

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+RETRY_AFTER_SECONDS = 1  # what a 503 (the server busy or not ready) tells clients to wait
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,11 @@ seed, seed+1, ...), so there is no second engine. Chat messages become a prompt 
 checkpoint's chat template (frontend/chat_template.py). Request bodies are validated against
 the fields below; a field kvforge does not know or cannot honour gets an OpenAI-shaped 400
 naming it (never silently ignored). A client that disconnects cancels its Triton streams.
-Extensions beyond OpenAI's fields (as in vLLM): top_k, min_tokens, repetition_penalty,
-cache_salt (reaches the prefix cache's salt).
+Extensions beyond OpenAI's fields, with vLLM's meaning: top_k, min_tokens, repetition_penalty,
+ignore_eos, cache_salt (reaches the prefix cache's salt), and skip_special_tokens /
+include_stop_str_in_output at the one value kvforge implements (true / false). An error of the
+llm model gets its kind's status (kvforge/errors.py); a message without a kind's prefix (what
+the model or Triton refuses) is the request's fault: 400.
 """
 from __future__ import annotations
 
@@ -30,32 +33,33 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from tritonclient.utils import InferenceServerException
 
-from frontend.chat_template import ChatTemplate, ChatTemplateError
-from frontend.config import FrontConfig
 from engines.repository import engine_dir_of
+from frontend.chat_template import ChatTemplate, ChatTemplateError
+from frontend.config import RETRY_AFTER_SECONDS, FrontConfig
+from frontend.json_text import lone_surrogate
+from kvforge import llm_io
+from kvforge.errors import kind_of, quote
+from kvforge.llm_io import Delta
 from kvforge.manifest import Manifest
-from kvforge.errors import quote
 from runtime.tokenizer import Tokenizer
 
 MAX_CHOICES = 8  # n per request: each choice occupies an engine slot
 MAX_PROMPTS = 8  # prompts in one /v1/completions request
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
-# An error inside a gRPC stream reaches the client as its message only (no status code), so the
-# llm model's server-side failures are told apart by their wording; everything else it refuses
-# (and what Triton refuses before the model runs) is the request's fault: 400.
-BUSY_PREFIX = "UNAVAILABLE:"  # the llm model's refusals for load (queue full, queue timeout)
-BUSY_MARKER = "queue is full"  # runtime.scheduler.QueueFullError: retry later
-SERVER_FAULT_PREFIX = "the engine"  # "the engine step failed: ...", "the engine shut down"
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None):
+                 code: str | None = None, retry: bool = False):
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+        self.retry = retry  # the server is busy: the response says when to retry (Retry-After)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(RETRY_AFTER_SECONDS)} if self.retry else {}
 
 
 # ---------------------------------------------------------------------- request bodies
@@ -85,7 +89,10 @@ class Sampling(Body):
     top_k: int | None = Field(None, ge=0)
     min_tokens: int | None = Field(None, ge=0)
     repetition_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool = False  # end tokens do not end the text; stop strings still do
     cache_salt: str | None = None
+    skip_special_tokens: bool = True  # true only: kvforge's text never holds special tokens
+    include_stop_str_in_output: bool = False  # false only: the text ends before the stop string
 
 
 class CompletionRequest(Sampling):
@@ -126,16 +133,6 @@ class ChatRequest(Sampling):
 # ---------------------------------------------------------------------- one choice = one llm stream
 
 @dataclass
-class Delta:
-    text: str
-    token_ids: list[int]
-    logprobs: list[float] | None
-    finish_reason: str | None
-    prompt_tokens: int
-    cached_tokens: int
-
-
-@dataclass
 class Choice:
     index: int
     prompt_index: int
@@ -155,55 +152,38 @@ class Choice:
         self.prompt_tokens, self.cached_tokens = delta.prompt_tokens, delta.cached_tokens
 
 
-def tensor(name: str, value, datatype: str):
-    dtype = {"BYTES": np.object_, "INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32, "BOOL": np.bool_}[datatype]
-    if datatype == "BYTES":
+def tensor(name: str, value):
+    """An llm input (kvforge/llm_io.py's datatype) holding one value or one list of values."""
+    spec = llm_io.INPUTS[name]
+    if spec.datatype == "BYTES":
         value = [v.encode("utf-8") for v in (value if isinstance(value, list) else [value])]
-    data = np.array([value if isinstance(value, list) else [value]], dtype=dtype)
-    infer_input = grpcclient.InferInput(name, list(data.shape), datatype)
+    data = np.array([value if isinstance(value, list) else [value]], dtype=spec.numpy_dtype)
+    infer_input = grpcclient.InferInput(name, list(data.shape), spec.datatype)
     infer_input.set_data_from_numpy(data)
     return infer_input
 
 
 def llm_inputs(prompt: str | list[int], body: Sampling, max_tokens: int, seed: int | None, echo: bool,
                logprobs: bool) -> list:
-    inputs = [tensor("input_ids", prompt, "INT32") if isinstance(prompt, list) else tensor("text_input", prompt, "BYTES"),
-              tensor("max_tokens", max_tokens, "INT32"), tensor("stream", True, "BOOL"),
-              tensor("temperature", body.temperature, "FP32"), tensor("top_p", body.top_p, "FP32")]
-    optional = [("seed", seed, "UINT64"), ("top_k", body.top_k, "INT32"), ("min_tokens", body.min_tokens, "INT32"),
-                ("repetition_penalty", body.repetition_penalty, "FP32"), ("cache_salt", body.cache_salt, "BYTES"),
-                ("presence_penalty", body.presence_penalty or None, "FP32"),
-                ("frequency_penalty", body.frequency_penalty or None, "FP32"),
-                ("stop_words", [body.stop] if isinstance(body.stop, str) else (body.stop or None), "BYTES"),
-                ("exclude_input_in_output", False if echo else None, "BOOL"),
-                ("return_log_probs", True if logprobs else None, "BOOL")]
-    return inputs + [tensor(name, value, datatype) for name, value, datatype in optional if value is not None]
-
-
-def as_delta(result) -> Delta:
-    def value(name):
-        array = result.as_numpy(name)
-        return None if array is None else array.reshape(-1)
-
-    text = value("text_output")
-    logprobs = value("output_log_probs")
-    cached = value("cached_tokens")  # present once the engine has a prefix cache
-    reason = value("finish_reason")
-    return Delta(text=b"".join(text).decode("utf-8") if text is not None else "",
-                 token_ids=value("output_ids").tolist(),
-                 logprobs=logprobs.tolist() if logprobs is not None else None,
-                 finish_reason=(reason[0].decode() or None) if reason is not None else None,
-                 prompt_tokens=int(value("num_input_tokens")[0]),
-                 cached_tokens=int(cached[0]) if cached is not None else 0)
+    inputs = [tensor("input_ids", prompt) if isinstance(prompt, list) else tensor("text_input", prompt),
+              tensor("max_tokens", max_tokens), tensor("stream", True),
+              tensor("temperature", body.temperature), tensor("top_p", body.top_p)]
+    optional = [("seed", seed), ("top_k", body.top_k), ("min_tokens", body.min_tokens),
+                ("repetition_penalty", body.repetition_penalty), ("cache_salt", body.cache_salt),
+                ("presence_penalty", body.presence_penalty or None),
+                ("frequency_penalty", body.frequency_penalty or None),
+                ("stop_words", [body.stop] if isinstance(body.stop, str) else (body.stop or None)),
+                ("ignore_eos", True if body.ignore_eos else None),
+                ("exclude_input_in_output", False if echo else None),
+                ("return_log_probs", True if logprobs else None)]
+    return inputs + [tensor(name, value) for name, value in optional if value is not None]
 
 
 def triton_error(error: InferenceServerException) -> APIError:
+    """An llm stream's error (over gRPC its message alone, no status) with its kind's status."""
     message = error.message()
-    if message.startswith(BUSY_PREFIX) or BUSY_MARKER in message:
-        return APIError(503, message, kind="server_busy")
-    if message.startswith(SERVER_FAULT_PREFIX):
-        return APIError(500, message, kind="server_error")
-    return APIError(400, message)
+    kind = kind_of(message)
+    return APIError(kind.http_status, message, kind=kind.openai_type, retry=kind.retry)
 
 
 # ---------------------------------------------------------------------- the app
@@ -237,7 +217,7 @@ class OpenAIServer:
             async for result, error in responses:
                 if error is not None:
                     raise triton_error(error)
-                delta = as_delta(result)
+                delta = Delta.from_result(result)
                 yield delta
                 if delta.finish_reason:
                     return
@@ -268,6 +248,12 @@ class OpenAIServer:
 
 def refuse_unsupported(body: Sampling) -> None:
     """Fields whose only value kvforge can honour is their default."""
+    if not body.skip_special_tokens:
+        raise APIError(400, "skip_special_tokens must be true: kvforge's text never holds special tokens",
+                       param="skip_special_tokens")
+    if body.include_stop_str_in_output:
+        raise APIError(400, "include_stop_str_in_output must be false: kvforge's text ends before the stop string",
+                       param="include_stop_str_in_output")
     if getattr(body, "logit_bias", None):
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
     alternatives = "logprobs" if isinstance(body, CompletionRequest) else "top_logprobs"
@@ -433,7 +419,7 @@ def create_openai_app(config: FrontConfig) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError):
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, error: RequestValidationError):
@@ -449,11 +435,22 @@ def create_openai_app(config: FrontConfig) -> FastAPI:
         if config.api_key and request.headers.get("authorization") != f"Bearer {config.api_key}":
             raise APIError(401, "missing or wrong API key: send Authorization: Bearer <key>", code="invalid_api_key")
 
+    async def unicode_body(request: Request) -> None:
+        """A body with a lone surrogate escape is the client's error, not a 500 when it is encoded."""
+        try:
+            body = await request.json()  # parsed once: FastAPI has read it already, and this is its cache
+        except ValueError:
+            return  # not JSON at all: the body's validation says so
+        not_text = lone_surrogate(body)
+        if not_text:
+            param, message = not_text
+            raise APIError(400, message, param=param)
+
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models():
         return {"object": "list", "data": [{"id": config.model, "object": "model", "created": 0, "owned_by": "kvforge"}]}
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/completions", dependencies=[Depends(authorize), Depends(unicode_body)])
     async def completions(body: CompletionRequest, request: Request):
         server.check_model(body)
         refuse_unsupported(body)
@@ -467,7 +464,7 @@ def create_openai_app(config: FrontConfig) -> FastAPI:
                    for p, prompt in enumerate(prompts) for j in range(body.n)]
         return await Completion(server, "text", body, choices, logprobs).respond(request)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize), Depends(unicode_body)])
     async def chat_completions(body: ChatRequest, request: Request):
         server.check_model(body)
         refuse_unsupported(body)

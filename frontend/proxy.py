@@ -1,8 +1,11 @@
 """Triton's /v2 HTTP API through the front: readiness that knows about supervision, the generate
-endpoints' JSON checked before Triton parses it, queue-full as 503, streams passed on unbuffered.
+endpoints' JSON checked before Triton parses it, kvforge's errors with their kind's status,
+streams passed on unbuffered.
 
-Triton answers malformed JSON and wrong JSON types with HTTP 500 and a full queue (the llm
-model's UNAVAILABLE) with 400; the front answers 400 naming the field and 503 + Retry-After.
+Triton answers malformed JSON, wrong JSON types and text that is no Unicode with HTTP 500, and
+a model's refusal for load (the llm model's UNAVAILABLE) with 400; the front answers 400 naming
+the field, and every error carrying a kind's prefix (kvforge/errors.py: a full queue's
+"UNAVAILABLE:", a server fault's "INTERNAL:") with that kind's status (503 + Retry-After, 500).
 Every proxied request carries one id (X-Request-ID, made here unless the client sent a sane
 one), handed to the llm model as the request parameter `request_id` and written to the
 access log with the status and times; the engine logs its token counts under the same id.
@@ -23,48 +26,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from frontend.config import FrontConfig
-from kvforge.errors import quote
+from frontend.config import RETRY_AFTER_SECONDS, FrontConfig
+from frontend.json_text import lone_surrogate
+from kvforge import llm_io
+from kvforge.errors import UNAVAILABLE, kind_of, quote
 from kvforge.jsonlog import append_json_line
 
-UNAVAILABLE = "UNAVAILABLE:"  # how the llm model starts a queue-full error (the documented prefix)
-RETRY_AFTER_SECONDS = 1
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 # hop-by-hop headers and those httpx sets itself are not forwarded
 DROPPED_HEADERS = {"host", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
                    "content-length", "proxy-authorization", "proxy-connection"}
 STREAM_ERROR = "the server ended the stream early ({}); the request did not finish"
-
-
-def integer(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-# what each generate field must be in JSON (the llm model checks the values' ranges itself)
-GENERATE_FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
-    "text_input": (lambda v: isinstance(v, str), "a string"),
-    "max_tokens": (lambda v: integer(v) and -2**31 <= v < 2**31, "an integer"),
-    "temperature": (number, "a number"),
-    "top_p": (number, "a number"),
-    "top_k": (lambda v: integer(v) and -2**31 <= v < 2**31, "an integer"),
-    "seed": (lambda v: integer(v) and 0 <= v < 2**64, "an integer in 0..2**64-1"),
-    **{name: (lambda v: isinstance(v, str) or isinstance(v, list) and all(isinstance(s, str) for s in v),
-              "a string or a list of strings") for name in ("stop_words", "bad_words")},
-    **{name: (lambda v: isinstance(v, bool), "true or false")
-       for name in ("stream", "stop", "exclude_input_in_output", "return_log_probs")},
-    **{name: (number, "a number")
-       for name in ("repetition_penalty", "presence_penalty", "frequency_penalty", "length_penalty")},
-    **{name: (lambda v: integer(v) and -2**31 <= v < 2**31, "an integer")
-       for name in ("min_tokens", "min_length", "end_id", "pad_id", "beam_width", "num_return_sequences")},
-    "random_seed": (lambda v: integer(v) and 0 <= v < 2**64, "an integer in 0..2**64-1"),
-    "cache_salt": (lambda v: isinstance(v, str), "a string"),
-    "clear_prefix_cache": (lambda v: isinstance(v, bool), "true or false"),
-    "control_key": (lambda v: isinstance(v, str), "a string"),
-}
 
 
 def generate_body_error(body: bytes) -> tuple[str | None, dict | None]:
@@ -75,9 +47,15 @@ def generate_body_error(body: bytes) -> tuple[str | None, dict | None]:
         return f"the request body is not valid JSON: {getattr(e, 'msg', str(e))}", None
     if not isinstance(request, dict):
         return f"the request body must be a JSON object, got {type(request).__name__}", None
-    for name, (valid, what) in GENERATE_FIELDS.items():
-        if name in request and not valid(request[name]):
-            return f"{name} must be {what}, got {quote(request[name] if isinstance(request[name], str) else json.dumps(request[name]))}", None
+    not_text = lone_surrogate(request)
+    if not_text:
+        return not_text[1], None
+    # what each input must be in JSON (the llm model checks the values' ranges itself)
+    for name, spec in llm_io.INPUTS.items():
+        if name in request and not spec.json.accepts(request[name]):
+            value = request[name]
+            shown = quote(value if isinstance(value, str) else json.dumps(value))
+            return f"{name} must be {spec.json.description}, got {shown}", None
     if "parameters" in request and not isinstance(request["parameters"], dict):
         return "parameters must be a JSON object", None
     return None, request
@@ -87,8 +65,16 @@ def error(status: int, message: str, request_id: str, **headers) -> JSONResponse
     return JSONResponse({"error": message}, status, headers={"X-Request-ID": request_id, **headers})
 
 
-def queue_full(message: str) -> bool:
-    return message.startswith(UNAVAILABLE)
+def status_of(message: str, status: int) -> int:
+    """The HTTP status of an error Triton answered with `status`: a kvforge error's comes from its
+    kind (Triton's status does not follow it: UNAVAILABLE comes as 400); Triton's own keep theirs."""
+    kind = kind_of(message)
+    return kind.http_status if kind.prefix else status
+
+
+def retry_after(status: int) -> dict[str, str]:
+    """The Retry-After header a status calls for (a 503: busy, or not ready yet)."""
+    return {"Retry-After": str(RETRY_AFTER_SECONDS)} if status == UNAVAILABLE.http_status else {}
 
 
 def create_proxy_app(config: FrontConfig, not_ready: Callable[[], str | None], access_log: Path | None) -> Starlette:
@@ -110,7 +96,7 @@ def create_proxy_app(config: FrontConfig, not_ready: Callable[[], str | None], a
         request_id = request_id_of(request)
         reason = not_ready()
         if reason:
-            return error(503, reason, request_id, **{"Retry-After": str(RETRY_AFTER_SECONDS)})
+            return error(503, reason, request_id, **retry_after(503))
         problem, body = generate_body_error(await request.body())
         if problem:
             log(dict(request_id=request_id, path=request.url.path, status=400, error=problem))
@@ -134,7 +120,7 @@ def create_proxy_app(config: FrontConfig, not_ready: Callable[[], str | None], a
         except httpx.HTTPError as e:
             log(dict(request_id=request_id, path=request.url.path, status=503, error=type(e).__name__))
             return error(503, "the inference server is not reachable right now; retry shortly", request_id,
-                         **{"Retry-After": str(RETRY_AFTER_SECONDS)})
+                         **retry_after(503))
         streaming = upstream.headers.get("content-type", "").startswith("text/event-stream")
         record = dict(request_id=request_id, method=request.method, path=request.url.path,
                       bytes_in=len(body), status=upstream.status_code)
@@ -147,14 +133,13 @@ def create_proxy_app(config: FrontConfig, not_ready: Callable[[], str | None], a
             finally:
                 await upstream.aclose()
             status = upstream.status_code
-            if status == 400 and queue_full(error_message(content)):
-                status = 503
+            if status >= 400:
+                status = status_of(error_message(content), status)
             if logged:
                 log(dict(record, status=status, bytes_out=len(content),
                          total_ms=round(1000 * (time.perf_counter() - started), 2)))
-            extra = {"Retry-After": str(RETRY_AFTER_SECONDS)} if status == 503 else {}
             return Response(content, status, headers={**response_headers(upstream), "X-Request-ID": request_id,
-                                                      **extra})
+                                                      **retry_after(status)})
         return await stream(upstream, record, started)
 
     async def stream(upstream: httpx.Response, record: dict, started: float) -> Response:
@@ -168,10 +153,12 @@ def create_proxy_app(config: FrontConfig, not_ready: Callable[[], str | None], a
             pass
         first_event = first.split(b"\n\n", 1)[0]
         message = error_message(first_event[first_event.find(b"{"):]) if b"data:" in first_event else ""
-        if queue_full(message):
+        kind = kind_of(message)
+        if kind.prefix:  # refused before the first token: the status says so
             await upstream.aclose()
-            log(dict(record, status=503, error="queue full"))
-            return error(503, message, record["request_id"], **{"Retry-After": str(RETRY_AFTER_SECONDS)})
+            # "queue full": the access log's word for a refusal for load since before the kinds
+            log(dict(record, status=kind.http_status, error="queue full" if kind is UNAVAILABLE else kind.name))
+            return error(kind.http_status, message, record["request_id"], **retry_after(kind.http_status))
         first_byte = time.perf_counter()
         events = 0
 

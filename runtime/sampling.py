@@ -33,6 +33,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = field(default=())
     end_id: int | None = None  # the token that ends the text; None = the tokenizer's EOS tokens
+    ignore_eos: bool = False  # vLLM's: end tokens are ordinary output; stop strings and stop_token_ids still end
     repetition_penalty: float = 1.0  # > 1 discourages every token already in prompt or output
     presence_penalty: float = 0.0  # subtracted once from each token already in the output
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output
@@ -66,6 +67,8 @@ class SamplingParams:
             raise RequestError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}")
         if self.end_id is not None and (isinstance(self.end_id, bool) or not isinstance(self.end_id, (int, np.integer))):
             raise RequestError(f"end_id must be a token id, got {self.end_id!r}")
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            raise RequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise RequestError(f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -51,7 +51,7 @@ class Sequence:
     params: SamplingParams
     on_output: Callable[[RequestOutput], None]
     detokenizer: IncrementalDetokenizer
-    stop_token_ids: frozenset[int]
+    stop_token_ids: frozenset[int]  # the end tokens and the request's stop token ids
     status: Status = Status.WAITING
     cache_salt: bytes | None = None  # mixed into the prefix cache's hash chain: shares only with the same salt
     num_cached: int = 0  # leading tokens whose K/V are in the runner's slot
@@ -110,7 +110,7 @@ class Sequence:
     def append(self, token: int, logprob: float | None = None) -> RequestOutput:
         """Take a sampled token; the output carries it (one token per output), its text may be
         empty while the tail is held back (an unfinished character or a possible stop string)."""
-        if token in self.stop_token_ids:
+        if token in (self.params.stop_token_ids if self.params.ignore_eos else self.stop_token_ids):
             return self.finish("stop")
         self.tokens.append(token)
         self.unsent_ids.append(token)

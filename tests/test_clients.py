@@ -248,6 +248,18 @@ def test_min_tokens_delays_the_end_token(triton):
     assert ids_of(generate(triton, end_id=end, min_length=first + 6)) == delayed  # TensorRT-LLM's older name
 
 
+def test_ignore_eos_generates_past_the_end_token_and_stop_words_still_end(triton):
+    greedy = generate(triton)
+    ids, text = ids_of(greedy), text_of(greedy)
+    end = ids[3]  # make a token the greedy text reaches early the end token, then ignore it
+    ignoring = generate(triton, end_id=end, ignore_eos=True)
+    assert ids_of(ignoring) == ids and ignoring[-1]["finish_reason"].reshape(-1)[0] == b"length"
+    stop = text[len(text) // 2:][:4]  # after the ignored end token
+    stopped = generate(triton, end_id=end, ignore_eos=True, stop_words=[stop])
+    assert text_of(stopped) == text[:text.index(stop)]
+    assert LLMClient(triton.grpc_url).generate(PROMPT, max_tokens=24, end_id=end, ignore_eos=True).token_ids == ids
+
+
 def test_stop_words_cut_the_text_and_bad_words_never_appear(triton, tokenizer):
     full = generate(triton)
     text = text_of(full)

@@ -231,6 +231,17 @@ def test_client_mistakes_get_4xx_naming_the_field(service, body, status, message
     assert serves(service)
 
 
+def test_text_that_is_no_unicode_is_a_400_naming_the_field(service):
+    # a lone surrogate escape is valid JSON but no Unicode text (Triton's own parser answers 500)
+    for body, field in ((b'{"text_input": "\\ud800", "max_tokens": 4}', "text_input"),
+                        (b'{"text_input": "x", "max_tokens": 4, "stop_words": ["a", "b\\udc00"]}', "stop_words.1")):
+        for endpoint in ("generate", "generate_stream"):
+            status, _, text = request(service, f"/v2/models/llm/{endpoint}", body)
+            assert status == 400, (endpoint, status, text)
+            assert json.loads(text)["error"].startswith(f"{field} is not valid Unicode text"), text
+    assert serves(service)
+
+
 # ---------------------------------------------------------------- 4, 5. step shape, short errors
 
 def test_step_refuses_more_than_one_row(service):
@@ -271,6 +282,22 @@ def test_full_queue_is_503_over_http_and_unavailable_over_grpc(exports, tmp_path
         assert server.ready()  # refusing for load is not being broken
     finally:
         server.stop()
+
+
+def test_the_front_gives_each_error_kind_its_status():
+    from frontend.proxy import retry_after, status_of
+    from kvforge.errors import INTERNAL, INVALID, UNAVAILABLE, EngineError, QueueFullError, RequestError, wire_message
+
+    # Triton answers a refusal for load with 400: the message's prefix says the kind
+    for error, status in ((QueueFullError("the waiting queue is full"), 503),
+                          (EngineError("the engine step failed"), 500),
+                          (RequestError("max_tokens must be at least 1"), 400)):
+        message = wire_message(error.kind, str(error))
+        assert status_of(message, 400) == status == error.kind.http_status, message
+    assert wire_message(INTERNAL, "the engine shut down") == "INTERNAL: the engine shut down"
+    assert wire_message(INVALID, "the prompt is empty") == "the prompt is empty"
+    assert status_of("Request for unknown model: 'x' is not found", 404) == 404  # Triton's own errors keep theirs
+    assert retry_after(UNAVAILABLE.http_status) == {"Retry-After": "1"} and retry_after(500) == {}
 
 
 def test_deadlines_end_requests_with_a_clear_error(exports):
@@ -381,6 +408,50 @@ def test_a_killed_backend_or_server_is_restarted_and_streams_end(service, victim
     assert serves(service)
     new = [e for e in events(service) if e.get("event") == "restart"][restarts:]
     assert len(new) == 1 and new[0]["reason"] == ("stub_died" if victim == "llm stub" else "server_exited")
+
+
+def process_start(pid: int) -> str | None:
+    """The process's start time (with its pid, who it is), or None once it is gone or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    return None if fields[0] in "ZX" else fields[19]
+
+
+@pytest.mark.parametrize("death", ["tritonserver killed, left unreaped", "launcher's process group killed"])
+def test_stubs_exit_once_their_server_is_gone(repo, tmp_path, death):
+    """No stub outlives its server, however it dies: as a zombie nobody reaps (the stub's own
+    check still sees the pid), or with the launcher that started it (the server then gets its
+    PDEATHSIG and the stubs are re-parented)."""
+    from launcher.tritonserver import TritonProcess, server_env
+
+    if death.startswith("tritonserver"):
+        server = TritonProcess(repo, "127.0.0.1", *free_ports(3), "k" * 24, tmp_path / "triton.log", server_env())
+        server.start(HANG_BOUND)
+        server_pid = server.process.pid
+    else:
+        server = launch(repo, log_dir=tmp_path)
+        server_pid = server.tritonserver_pid()
+    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    stubs = {int(p): process_start(int(p)) for p in children
+             if STUB_NAME.encode() in Path(f"/proc/{p}/cmdline").read_bytes()}
+    try:
+        assert len(stubs) == 5, stubs  # llm, step, ensemble, tensorrt_llm_bls, vllm_model
+        if death.startswith("tritonserver"):
+            os.kill(server_pid, signal.SIGKILL)  # not waited for: it stays a zombie until stop() below
+        else:
+            os.killpg(server.process.pid, signal.SIGKILL)
+            server.process.wait(HANG_BOUND)
+        gone = wait_until(lambda: all(process_start(pid) != started for pid, started in stubs.items()),
+                          "every stub exited")
+        print(f"\n{death}: the stubs were gone after {gone:.2f} s")
+    finally:
+        server.stop()
+        for pid, started in stubs.items():  # what a failing run leaves behind
+            if process_start(pid) == started:
+                os.kill(pid, signal.SIGKILL)
 
 
 # ---------------------------------------------------------------- 9. deadline, drain; full disk

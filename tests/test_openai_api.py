@@ -121,6 +121,53 @@ def test_bad_completions_get_openai_shaped_errors(client, call, status, message)
     assert message in body["message"] and body["type"] in ("invalid_request_error",) and "param" in body
 
 
+def test_vllm_sampling_fields_with_their_meaning(client):
+    # seeded sampled choices, of which one ends at the end token (seed 10, after 404 tokens: the
+    # tiny model rarely emits it)
+    def choices(**extra):
+        got = client.completions.create(model="llm", prompt=PROMPT, max_tokens=600, temperature=1.0, seed=8, n=8,
+                                        extra_body=extra)
+        return sorted(got.choices, key=lambda c: c.index)
+
+    plain = choices()
+    ended = [c.index for c in plain if c.finish_reason == "stop"]
+    assert ended, "no seed of 8..15 reached the end token within 600 tokens"
+    ignoring = choices(ignore_eos=True, skip_special_tokens=True, include_stop_str_in_output=False)
+    for i in ended:  # the same tokens up to the end token, which no longer ends the text
+        assert ignoring[i].finish_reason == "length" and ignoring[i].text.startswith(plain[i].text)
+        assert len(ignoring[i].text) > len(plain[i].text)
+    for field, value in (("skip_special_tokens", False), ("include_stop_str_in_output", True), ("min_p", 0.1),
+                         ("stop_token_ids", [2])):
+        with pytest.raises(openai.BadRequestError) as error:
+            client.completions.create(model="llm", prompt=PROMPT, max_tokens=4, extra_body={field: value})
+        assert error.value.body["param"] == field, error.value.body
+
+
+def test_text_that_is_no_unicode_is_a_400_naming_the_field(base_url):
+    # sent as bytes: a client's JSON encoder would refuse the lone surrogate itself
+    chat = b'{"model": "llm", "max_tokens": 4, "messages": [{"role": "user", "content": "hi \\udfff"}]}'
+    for path, body, param in (("completions", b'{"model": "llm", "prompt": "\\ud800", "max_tokens": 4}', "prompt"),
+                              ("chat/completions", chat, "messages.0.content")):
+        response = httpx.post(f"{base_url}/{path}", content=body, headers={"Content-Type": "application/json"},
+                              timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and "not valid Unicode" in error["message"], error
+
+
+def test_llm_errors_get_their_kinds_status():
+    from tritonclient.utils import InferenceServerException
+
+    from frontend.openai_api import triton_error
+
+    for message, status, kind in (("UNAVAILABLE: the waiting queue is full (0 requests)", 503, "server_busy"),
+                                  ("INTERNAL: the engine step failed: boom", 500, "server_error"),
+                                  ("the prompt is empty", 400, "invalid_request_error")):
+        error = triton_error(InferenceServerException(message))
+        assert (error.status, error.kind, error.message) == (status, kind, message)
+        assert error.headers() == ({"Retry-After": "1"} if status == 503 else {})
+
+
 def test_bad_chat_requests_get_openai_shaped_errors(client):
     for call, param in [(dict(messages=[]), "messages"),
                         (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),

@@ -14,17 +14,17 @@ import uuid
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+from kvforge import llm_io
+from kvforge.errors import CANCELLED, INTERNAL, kind_of
+from triton_models.responses import CANCELLED_MESSAGE, FINAL, send_error
+
 TARGET = "llm"
 CANCEL_POLL_SECONDS = 0.1  # is_cancelled() is a round trip to the server: not once per token
-LLM_OUTPUTS = ["text_output", "output_ids", "num_input_tokens", "num_output_tokens", "sequence_length",
-               "finish_reason", "cum_log_probs", "output_log_probs", "cached_tokens"]
 
 
-def error(message, code=None):
-    # TritonError exists only in a model instance's stub, not while Triton imports the model
-    code = pb_utils.TritonError.INVALID_ARG if code is None else code
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+def llm_input(name: str, value) -> pb_utils.Tensor:
+    """An input for llm (`value` nested batch first, e.g. [[True]]) in the dtype kvforge/llm_io.py gives it."""
+    return pb_utils.Tensor(name, np.array(value, dtype=llm_io.INPUTS[name].numpy_dtype))
 
 
 def tensor_value(response, name):
@@ -62,7 +62,7 @@ class Forwarder:
         final_sent, next_poll = False, 0.0
         try:
             forward = pb_utils.InferenceRequest(model_name=TARGET, inputs=inputs, request_id=forward_id,
-                                                requested_output_names=LLM_OUTPUTS)
+                                                requested_output_names=list(llm_io.OUTPUTS))
             for response in forward.exec(decoupled=True):
                 if final_sent:
                     continue  # drain what llm still sends after a cancel
@@ -70,18 +70,18 @@ class Forwarder:
                     next_poll = time.monotonic() + CANCEL_POLL_SECONDS
                     if sender.is_cancelled():
                         self.stop(forward_id)
-                        sender.send(error("the request was cancelled", pb_utils.TritonError.CANCELLED), flags=FINAL)
+                        send_error(sender, CANCELLED, CANCELLED_MESSAGE)
                         final_sent = True
                         continue
-                if response.has_error():
-                    sender.send(error(response.error().message(), pb_utils.TritonError.INVALID_ARG), flags=FINAL)
+                if response.has_error():  # llm's message carries its kind: passed on with the kind's code
+                    message = response.error().message()
+                    send_error(sender, kind_of(message), message)
                     final_sent = True
                 elif response.output_tensors():
                     final_sent = on_response(sender, response, bool(finish_reason(response)))
         except Exception as e:  # the forward itself failed: the client must still get an answer
             if not final_sent:
-                sender.send(error(f"{self.alias}: forwarding to {TARGET} failed: {e}", pb_utils.TritonError.INTERNAL),
-                            flags=FINAL)
+                send_error(sender, INTERNAL, f"{self.alias}: forwarding to {TARGET} failed: {e}")
                 final_sent = True
         finally:
             if not final_sent:
@@ -101,7 +101,7 @@ class Forwarder:
 
     @staticmethod
     def stop(forward_id: str) -> None:
-        signal = pb_utils.Tensor("stop", np.array([[True]], dtype=np.bool_))
+        signal = llm_input("stop", [[True]])
         for _ in pb_utils.InferenceRequest(model_name=TARGET, inputs=[signal], request_id=forward_id,
                                            requested_output_names=[]).exec(decoupled=True):
             pass

@@ -12,10 +12,13 @@ import triton_python_backend_utils as pb_utils
 
 from kvforge.errors import RequestError
 from runtime.scorer import Scorer
+from triton_models.lifeline import exit_with_server
+from triton_models.responses import error
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        exit_with_server()
         config = json.loads(args["model_config"])
         engine_dir = Path(args["model_repository"]).parent / config["parameters"]["engine_dir"]["string_value"]
         self.scorer = Scorer(engine_dir, max_rows=config["max_batch_size"])
@@ -26,8 +29,7 @@ class TritonPythonModel:
             try:
                 batch.append((i, self.scorer.check(pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy())))
             except RequestError as e:
-                responses[i] = pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG))
+                responses[i] = error(e.kind, str(e))
         if batch:
             for (i, _), logits in zip(batch, self.scorer.score([ids for _, ids in batch])):
                 responses[i] = pb_utils.InferenceResponse(

@@ -1,18 +1,19 @@
 """Triton models `tensorrt_llm_bls` and `ensemble`: TensorRT-LLM's model names over the `llm` engine.
 
 Clients such as llama-index's NvidiaTriton default to these names. They take the inputs of
-`llm` (TensorRT-LLM's own) and forward each request to it (runtime/forwarding.py), so there is
+`llm` (TensorRT-LLM's own) and forward each request to it (triton_models/forwarding.py), so there is
 no second engine. As in TensorRT-LLM, a request that does not stream gets the prompt in front
 of its text unless it sets exclude_input_in_output; a streaming one gets only new text.
 """
 import json
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from triton_models.forwarding import FINAL, Forwarder, error
 from kvforge.errors import RequestError
+from triton_models.forwarding import Forwarder, llm_input
+from triton_models.lifeline import exit_with_server
 from triton_models.requests import one_value, refuse_unknown_parameters
+from triton_models.responses import FINAL, send_error
 
 
 def send(sender, response, final) -> bool:
@@ -22,6 +23,7 @@ def send(sender, response, final) -> bool:
 
 class TritonPythonModel:
     def initialize(self, args):
+        exit_with_server()
         self.name = json.loads(args["model_config"])["name"]
         self.forwarder = Forwarder(self.name)
 
@@ -36,8 +38,8 @@ class TritonPythonModel:
                 inputs = request.inputs()
                 if pb_utils.get_input_tensor_by_name(request, "exclude_input_in_output") is None:
                     echo = not one_value(request, "stream", False, bool)
-                    inputs = [*inputs, pb_utils.Tensor("exclude_input_in_output", np.array([[not echo]], np.bool_))]
+                    inputs = [*inputs, llm_input("exclude_input_in_output", [[not echo]])]
                 self.forwarder.start(request, inputs, send)
             except RequestError as e:
-                request.get_response_sender().send(error(str(e)), flags=FINAL)
+                send_error(request.get_response_sender(), e.kind, str(e))
         return None

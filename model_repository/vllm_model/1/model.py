@@ -3,7 +3,7 @@
 Its inputs and outputs are the vLLM backend's (max_batch_size 0, `text_input` [1], sampling
 options as a JSON string in `sampling_parameters` or as request parameters, string values
 coerced as vLLM does, `return_*` flags choosing the outputs), so the vLLM backend's
-samples/client.py runs unchanged. Each request is forwarded to `llm` (runtime/forwarding.py).
+samples/client.py runs unchanged. Each request is forwarded to `llm` (triton_models/forwarding.py).
 As in vLLM, a request that does not stream gets the prompt in front of its text unless it sets
 exclude_input_in_output, and a streaming one cannot ask for the prompt.
 """
@@ -12,23 +12,25 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from triton_models.forwarding import FINAL, Forwarder, error, tensor_value
 from kvforge.errors import RequestError, quote
+from triton_models.forwarding import Forwarder, llm_input, tensor_value
+from triton_models.lifeline import exit_with_server
 from triton_models.requests import one_value, request_parameters
+from triton_models.responses import FINAL, send_error
 
 NAME = "vllm_model"
-# vLLM sampling parameter -> (llm input, numpy dtype, coercion of vLLM's string values)
+# vLLM sampling parameter -> (llm input, coercion of vLLM's string values)
 SAMPLING = {
-    "max_tokens": ("max_tokens", np.int32, int),
-    "temperature": ("temperature", np.float32, float),
-    "top_p": ("top_p", np.float32, float),
-    "top_k": ("top_k", np.int32, int),
-    "seed": ("seed", np.uint64, int),
-    "min_tokens": ("min_tokens", np.int32, int),
-    "presence_penalty": ("presence_penalty", np.float32, float),
-    "frequency_penalty": ("frequency_penalty", np.float32, float),
-    "repetition_penalty": ("repetition_penalty", np.float32, float),
-    "n": ("num_return_sequences", np.int32, int),
+    "max_tokens": ("max_tokens", int),
+    "temperature": ("temperature", float),
+    "top_p": ("top_p", float),
+    "top_k": ("top_k", int),
+    "seed": ("seed", int),
+    "min_tokens": ("min_tokens", int),
+    "presence_penalty": ("presence_penalty", float),
+    "frequency_penalty": ("frequency_penalty", float),
+    "repetition_penalty": ("repetition_penalty", float),
+    "n": ("num_return_sequences", int),
 }
 WORDS = {"stop": "stop_words", "bad_words": "bad_words"}  # a string or a list of strings
 VLLM_DEFAULTS = {"max_tokens": 16, "temperature": 1.0}  # vLLM's SamplingParams defaults where llm's differ
@@ -68,9 +70,8 @@ def llm_inputs(request):
         raise RequestError("when streaming, exclude_input_in_output = False is not allowed (as in vLLM)")
     echo = not stream if exclude is None else not exclude
     prompt = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy().reshape(1, -1)
-    inputs = [pb_utils.Tensor("text_input", prompt.astype(np.object_)),
-              pb_utils.Tensor("stream", np.array([[stream]], np.bool_)),
-              pb_utils.Tensor("exclude_input_in_output", np.array([[not echo]], np.bool_))]
+    inputs = [llm_input("text_input", prompt), llm_input("stream", [[stream]]),
+              llm_input("exclude_input_in_output", [[not echo]])]
     for key, value in options.items():
         if value is None:
             continue
@@ -79,9 +80,9 @@ def llm_inputs(request):
             if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
                 raise RequestError(f"{key} must be a string or a list of strings, got {quote(value)}")
             if words:
-                inputs.append(pb_utils.Tensor(WORDS[key], np.array([[w.encode() for w in words]], np.object_)))
+                inputs.append(llm_input(WORDS[key], [[w.encode() for w in words]]))
             continue
-        name, dtype, coerce = SAMPLING[key]
+        name, coerce = SAMPLING[key]
         try:
             number = coerce(value)
         except (TypeError, ValueError):
@@ -90,10 +91,10 @@ def llm_inputs(request):
             number = 0  # vLLM's "off"
         if key == "seed" and number < 0:
             raise RequestError(f"seed must be >= 0, got {number}")
-        inputs.append(pb_utils.Tensor(name, np.array([[number]], dtype)))
+        inputs.append(llm_input(name, [[number]]))
     returns = {flag: one_value(request, flag, False, bool) for flag in RETURN_FLAGS}
     if returns["return_cumulative_logprob"]:
-        inputs.append(pb_utils.Tensor("return_log_probs", np.array([[True]], np.bool_)))
+        inputs.append(llm_input("return_log_probs", [[True]]))
     return inputs, returns
 
 
@@ -117,6 +118,7 @@ def translate(returns):
 
 class TritonPythonModel:
     def initialize(self, args):
+        exit_with_server()
         self.forwarder = Forwarder(NAME)
 
     def execute(self, requests):
@@ -125,5 +127,5 @@ class TritonPythonModel:
                 inputs, returns = llm_inputs(request)
                 self.forwarder.start(request, inputs, translate(returns))
             except RequestError as e:
-                request.get_response_sender().send(error(str(e)), flags=FINAL)
+                send_error(request.get_response_sender(), e.kind, str(e))
         return None

@@ -1,0 +1,158 @@
+"""The `llm` model's wire contract: its inputs and outputs, and one response decoded (`Delta`).
+
+Each tensor has its name, Triton datatype, dims (after the batch dimension), whether it is
+optional or ragged, and for an input the JSON type the HTTP front accepts in a /generate body
+(Triton itself answers another JSON type with HTTP 500). engines/repository.py renders the llm
+config.pbtxt from these; the llm model builds its responses with OUTPUTS' dtypes; the aliases
+forward to llm asking for OUTPUTS; the front checks /generate bodies against INPUTS; the
+OpenAI front and clients/api.py build their inputs with INPUTS' dtypes and decode responses
+with `Delta`. Names, dtypes and meanings are TensorRT-LLM's ensemble / tensorrt_llm_bls ones
+(README "Inputs and outputs" says what each does).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class JsonType:
+    """What a /generate JSON field must be."""
+
+    description: str  # as an error message names it: "an integer"
+    accepts: Callable[[object], bool]
+
+
+def _integer(value, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
+
+
+STRING = JsonType("a string", lambda v: isinstance(v, str))
+STRINGS = JsonType("a string or a list of strings",
+                   lambda v: isinstance(v, str) or isinstance(v, list) and all(isinstance(s, str) for s in v))
+BOOL = JsonType("true or false", lambda v: isinstance(v, bool))
+NUMBER = JsonType("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
+INT32 = JsonType("an integer", lambda v: _integer(v, -2**31, 2**31))
+INT32S = JsonType("an integer or a list of integers",
+                  lambda v: _integer(v, -2**31, 2**31) or isinstance(v, list) and all(_integer(i, -2**31, 2**31)
+                                                                                  for i in v))
+UINT32 = JsonType("an integer in 0..2**32-1", lambda v: _integer(v, 0, 2**32))
+UINT64 = JsonType("an integer in 0..2**64-1", lambda v: _integer(v, 0, 2**64))
+
+NUMPY_DTYPES = {"BYTES": np.object_, "BOOL": np.bool_, "INT32": np.int32, "UINT32": np.uint32,
+                "UINT64": np.uint64, "FP32": np.float32}
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    datatype: str  # Triton's protocol name (BYTES, BOOL, INT32, ...); config.pbtxt spells BYTES TYPE_STRING
+    dims: tuple[int, ...]
+    optional: bool = False
+    ragged: bool = False  # allow_ragged_batch
+    json: JsonType | None = None  # what /generate accepts for an input
+
+    @property
+    def numpy_dtype(self) -> type:
+        return NUMPY_DTYPES[self.datatype]
+
+    @property
+    def config_type(self) -> str:
+        return "TYPE_STRING" if self.datatype == "BYTES" else f"TYPE_{self.datatype}"
+
+
+def _input(name: str, datatype: str, json: JsonType, dims: tuple[int, ...] = (1,), ragged: bool = False) -> Tensor:
+    return Tensor(name, datatype, dims, optional=True, ragged=ragged, json=json)
+
+
+# Every input is optional to Triton; the model requires a prompt and max_tokens itself. Besides
+# the ensemble's inputs: the tensorrt_llm model's input_ids / input_lengths / request_output_len
+# / stop, which llama-index sends to cancel (request_output_len UINT32 as it sends it), and
+# older aliases of renamed inputs (random_seed, min_length).
+INPUTS = {t.name: t for t in (
+    _input("text_input", "BYTES", STRING),
+    _input("input_ids", "INT32", INT32S, dims=(-1,), ragged=True),
+    _input("input_lengths", "INT32", INT32),
+    _input("max_tokens", "INT32", INT32),
+    _input("request_output_len", "UINT32", UINT32),
+    _input("stream", "BOOL", BOOL),
+    _input("stop", "BOOL", BOOL),
+    _input("exclude_input_in_output", "BOOL", BOOL),
+    _input("stop_words", "BYTES", STRINGS, dims=(-1,), ragged=True),
+    _input("bad_words", "BYTES", STRINGS, dims=(-1,), ragged=True),
+    _input("end_id", "INT32", INT32),
+    _input("pad_id", "INT32", INT32),
+    _input("temperature", "FP32", NUMBER),
+    _input("top_k", "INT32", INT32),
+    _input("top_p", "FP32", NUMBER),
+    _input("seed", "UINT64", UINT64),
+    _input("random_seed", "UINT64", UINT64),
+    _input("repetition_penalty", "FP32", NUMBER),
+    _input("presence_penalty", "FP32", NUMBER),
+    _input("frequency_penalty", "FP32", NUMBER),
+    _input("min_tokens", "INT32", INT32),
+    _input("min_length", "INT32", INT32),
+    _input("ignore_eos", "BOOL", BOOL),  # vLLM's: end tokens do not end the text; stop words still do
+    _input("length_penalty", "FP32", NUMBER),
+    _input("beam_width", "INT32", INT32),
+    _input("num_return_sequences", "INT32", INT32),
+    _input("return_log_probs", "BOOL", BOOL),
+    _input("return_num_input_tokens", "BOOL", BOOL),
+    _input("return_num_output_tokens", "BOOL", BOOL),
+    # the prefix cache: a tenant's salt, and the operator's clear (needs the control key)
+    _input("cache_salt", "BYTES", STRING),
+    _input("clear_prefix_cache", "BOOL", BOOL),
+    _input("control_key", "BYTES", STRING),
+)}
+OUTPUTS = {t.name: t for t in (
+    Tensor("text_output", "BYTES", (-1,)),
+    Tensor("output_ids", "INT32", (-1,)),
+    Tensor("num_input_tokens", "INT32", (1,)),
+    Tensor("num_output_tokens", "INT32", (1,)),  # tokens in this response
+    Tensor("sequence_length", "INT32", (1,)),  # tokens generated so far
+    Tensor("finish_reason", "BYTES", (1,)),  # "" until the last response
+    Tensor("cum_log_probs", "FP32", (-1,)),  # these two only when return_log_probs is true
+    Tensor("output_log_probs", "FP32", (-1, -1)),
+    Tensor("cached_tokens", "INT32", (1,)),  # prompt tokens served by the prefix cache
+)}
+
+
+@dataclass
+class Delta:
+    """What one response of `llm` carries; outputs a request did not ask for keep these defaults."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None  # on the last response: "stop", "length" or "cancelled"
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    @classmethod
+    def from_result(cls, result, **more) -> "Delta":
+        """From a tritonclient InferResult (anything whose as_numpy(name) gives an array or None);
+        `more` fills the fields a subclass adds."""
+        def values(name: str) -> list | None:
+            array = result.as_numpy(name)
+            return None if array is None else array.reshape(-1).tolist()
+
+        text, logprobs, reason = values("text_output"), values("output_log_probs"), values("finish_reason")
+        prompt_tokens, cached_tokens = values("num_input_tokens"), values("cached_tokens")
+        return cls(text=b"".join(text).decode("utf-8") if text is not None else "",
+                   token_ids=values("output_ids") or [], logprobs=logprobs,
+                   finish_reason=(reason[0].decode() or None) if reason else None,
+                   prompt_tokens=prompt_tokens[0] if prompt_tokens else 0,
+                   cached_tokens=cached_tokens[0] if cached_tokens else 0, **more)
+
+    @classmethod
+    def from_json(cls, body: dict, **more) -> "Delta":
+        """From a /generate response body or generate_stream event (Triton writes a one-element
+        output as a bare value)."""
+        def listed(value) -> list | None:
+            return value if isinstance(value, list) or value is None else [value]
+
+        return cls(text=body.get("text_output", ""), token_ids=listed(body.get("output_ids")) or [],
+                   logprobs=listed(body.get("output_log_probs")), finish_reason=body.get("finish_reason") or None,
+                   prompt_tokens=body.get("num_input_tokens", 0), cached_tokens=body.get("cached_tokens", 0), **more)

@@ -1,0 +1,253 @@
+"""The `llm` model's way back to its clients: one ResponseStream per request, and the sender
+thread that turns the engine's outputs into responses.
+
+The engine's thread only queues its outputs here, so a slow client never stalls decoding. The
+sender also asks `is_cancelled()` as a request's outputs go out (a client that went away frees
+its slot at the next step), publishes the custom metrics and latency histograms, and writes one
+access-log line per request (ids and counts, never the text).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from kvforge import llm_io
+from kvforge.errors import CANCELLED, INTERNAL, INVALID, UNAVAILABLE, Kind, KVForgeError, QueueFullError
+from kvforge.jsonlog import append_json_line
+from runtime.sequence import RequestOutput
+from triton_models.llm_metrics import EngineMetrics
+from triton_models.llm_request import ALL_OUTPUTS
+from triton_models.responses import CANCELLED_MESSAGE, FINAL, send_error
+
+# is_cancelled() is a round trip to the server, as is every send and metric update, so a
+# generating request is asked when one of its outputs goes out (once per engine step, the soonest
+# the engine could stop it) but not more often than every CANCEL_POLL_SECONDS; one that has had no
+# output for IDLE_POLL_SECONDS (waiting for a slot or in a long prefill) is asked by the timer.
+CANCEL_POLL_SECONDS = 0.02
+IDLE_POLL_SECONDS = 0.2
+METRICS_SECONDS = 0.1
+# A stream gets one response per token; only when the sender finds more than this many of one
+# stream's outputs queued at once (the client or the response path fell behind the engine) does
+# it merge them into one response, which says how many tokens it carries (num_output_tokens).
+MAX_UNMERGED = 8
+
+# llm output -> its value in one response, with TensorRT-LLM's shapes (dtypes: llm_io.OUTPUTS)
+VALUES = {
+    # one text per response, 1-D like TensorRT-LLM's postprocessing output (llama-index iterates it)
+    "text_output": lambda out, echo: [(echo + out.text).encode("utf-8")],
+    "output_ids": lambda out, echo: [out.token_ids],
+    "num_input_tokens": lambda out, echo: [[out.prompt_tokens]],
+    "num_output_tokens": lambda out, echo: [[len(out.token_ids)]],
+    "sequence_length": lambda out, echo: [[out.output_tokens]],
+    "finish_reason": lambda out, echo: [[(out.finish_reason or "").encode()]],
+    "cum_log_probs": lambda out, echo: [[out.cum_logprob]],
+    "output_log_probs": lambda out, echo: [[out.logprobs]],
+    "cached_tokens": lambda out, echo: [[out.cached_tokens]],
+}
+LOGPROB_OUTPUTS = frozenset({"cum_log_probs", "output_log_probs"})  # only for requests that asked for log-probs
+
+
+def response(out: RequestOutput, echo: str = "", names=ALL_OUTPUTS):
+    """One response of the llm model: the requested outputs of `out` (Triton would drop the
+    others after they crossed to the server; not building them saves that work per token)."""
+    sent = [name for name in llm_io.OUTPUTS
+            if name in names and (out.logprobs is not None or name not in LOGPROB_OUTPUTS)]
+    return pb_utils.InferenceResponse(output_tensors=[
+        pb_utils.Tensor(name, np.array(VALUES[name](out, echo), dtype=llm_io.OUTPUTS[name].numpy_dtype))
+        for name in sent])
+
+
+def error_kind(out: RequestOutput, stopped: bool) -> Kind | None:
+    """The kind of error an engine output ends its request with; None for a normal end."""
+    if out.finish_reason == "cancelled":
+        return None if stopped else CANCELLED  # a `stop` signal ends the stream normally
+    if out.finish_reason == "timeout":
+        return UNAVAILABLE
+    return INTERNAL if out.error else None  # "error": a failed step, an engine shut down
+
+
+class ResponseStream:
+    """One request's responses on their way to its client; without streaming, it gathers the
+    outputs for one response at the end."""
+
+    def __init__(self, sender, stream: bool, log_id: str, outputs: frozenset, echo: str = "", triton_id: str = ""):
+        self.sender, self.stream, self.log_id = sender, stream, log_id
+        self.outputs = outputs  # the output names the client asked for: only those are built
+        self.echo = echo  # the prompt text, sent before the output when exclude_input_in_output is false
+        self.triton_id = triton_id  # the client's request id, which a `stop` request names
+        self.request_id = None  # set once the engine accepted the request
+        self.cancelled = self.finished = self.stopped = False
+        self.gathered = None
+        self.arrived = time.perf_counter()
+        self.first_token = self.last_sent = self.cancel_seen = None
+        self.last_poll = time.monotonic()  # arrival: the timer first asks IDLE_POLL_SECONDS later
+
+
+def coalesce(items):
+    """[(stream, output)] in arrival order -> what to send: each output alone unless one stream
+    has more than MAX_UNMERGED queued, which then go as one response."""
+    by_stream = {}
+    for stream, out in items:
+        by_stream.setdefault(stream, []).append(out)
+    for stream, outs in by_stream.items():
+        if len(outs) <= MAX_UNMERGED:
+            yield from ((stream, out) for out in outs)
+        else:
+            merged = outs[0]
+            for out in outs[1:]:
+                merged = merged.merge(out)
+            yield stream, merged
+
+
+class ResponseSender:
+    """The sender thread of one llm model instance, and the streams it has live."""
+
+    def __init__(self, engine, metrics: EngineMetrics, access_log: Path | None):
+        self.engine, self.metrics, self.access_log = engine, metrics, access_log
+        self.outbox = queue.Queue()
+        self.live = set()
+        self.by_triton_id = {}  # request id -> live ResponseStream, for TensorRT-LLM's `stop` requests
+        self.live_lock = threading.Lock()
+        self.poll_seconds = 0.0
+        self.thread = threading.Thread(target=self.run, name="llm-sender", daemon=True)
+        self.thread.start()
+
+    # ------------------------------------------------------------------ the model's side
+
+    def on_output(self, stream: ResponseStream):
+        """The engine's callback for the request behind `stream` (it runs on the engine thread)."""
+        return lambda out: self.outbox.put((stream, out))
+
+    def track(self, stream: ResponseStream) -> None:
+        """The engine accepted the request: from now on it is polled for cancellation."""
+        with self.live_lock:
+            if not stream.finished:  # a short request may be done already
+                self.live.add(stream)
+                if stream.triton_id:
+                    self.by_triton_id[stream.triton_id] = stream
+
+    def stop(self, triton_id: str) -> None:
+        """End the live request with this Triton request id; its stream ends normally."""
+        with self.live_lock:
+            stream = self.by_triton_id.get(triton_id) if triton_id else None
+            if stream is not None:
+                stream.stopped = True
+        if stream is not None:
+            self.engine.cancel(stream.request_id)
+
+    def refuse(self, sender, log_id: str, error: KVForgeError) -> None:
+        """A request that never reached the engine: its error, and its access-log line."""
+        send_error(sender, error.kind, str(error))
+        if isinstance(error, QueueFullError):
+            self.log(dict(request_id=log_id, finish_reason="queue_full"))
+        else:
+            reason = "invalid" if error.kind is INVALID else error.kind.name
+            self.log(dict(request_id=log_id, finish_reason=reason, error=str(error)[:200]))
+
+    def close(self) -> None:
+        """After the engine closed (its last outputs are queued): send them, then stop."""
+        self.outbox.put(None)
+        self.thread.join()
+        self.metrics.close()
+
+    # ------------------------------------------------------------------ the sender thread
+
+    def log(self, record: dict) -> None:
+        append_json_line(self.access_log, dict(source="engine", **record))
+
+    def run(self) -> None:
+        next_poll = next_metrics = 0.0
+        stopping = False
+        while not stopping:
+            try:
+                items = [self.outbox.get(timeout=CANCEL_POLL_SECONDS)]
+            except queue.Empty:
+                items = []
+            while True:
+                try:
+                    items.append(self.outbox.get_nowait())
+                except queue.Empty:
+                    break
+            stopping = None in items
+            for stream, out in coalesce(item for item in items if item is not None):
+                try:
+                    self.send(stream, out)
+                except Exception as e:  # one request's failed send must not stop every other stream
+                    pb_utils.Logger.log_error(f"llm: sending a response failed: {e}")
+            now = time.monotonic()
+            if now >= next_poll:
+                self.poll_cancelled()
+                next_poll = now + CANCEL_POLL_SECONDS
+            if now >= next_metrics:
+                self.metrics.publish(dict(self.engine.stats(), cancel_poll_seconds=self.poll_seconds))
+                next_metrics = now + METRICS_SECONDS
+
+    def check_cancelled(self, stream: ResponseStream) -> None:
+        """Once the client went away, the engine ends the request with a "cancelled" output."""
+        started = time.thread_time()
+        stream.last_poll = time.monotonic()
+        if stream.request_id is not None and not stream.cancelled and stream.sender.is_cancelled():
+            stream.cancelled, stream.cancel_seen = True, time.perf_counter()
+            self.engine.cancel(stream.request_id)
+        self.poll_seconds += time.thread_time() - started
+
+    def poll_cancelled(self) -> None:
+        """The timer's share: requests that had no output for IDLE_POLL_SECONDS."""
+        now = time.monotonic()
+        with self.live_lock:
+            idle = [s for s in self.live if now - s.last_poll >= IDLE_POLL_SECONDS]
+        for stream in idle:
+            self.check_cancelled(stream)
+
+    def send(self, stream: ResponseStream, out: RequestOutput) -> None:
+        if not out.finished and time.monotonic() - stream.last_poll >= CANCEL_POLL_SECONDS:
+            self.check_cancelled(stream)
+        if stream.cancelled and not out.finished:
+            return
+        if out.finished:
+            with self.live_lock:
+                stream.finished = True
+                self.live.discard(stream)
+                if self.by_triton_id.get(stream.triton_id) is stream:
+                    del self.by_triton_id[stream.triton_id]
+        self.observe(stream, out)
+        kind = error_kind(out, stream.stopped)
+        if kind is not None:
+            send_error(stream.sender, kind, out.error or CANCELLED_MESSAGE)
+        elif stream.stream:
+            stream.sender.send(response(out, stream.echo, stream.outputs), flags=FINAL if out.finished else 0)
+            stream.echo = ""
+        else:
+            stream.gathered = stream.gathered.merge(out) if stream.gathered else out
+            if out.finished:
+                stream.sender.send(response(stream.gathered, stream.echo, stream.outputs), flags=FINAL)
+
+    def observe(self, stream: ResponseStream, out: RequestOutput) -> None:
+        """Latency histograms as the response goes out; the access-log line when it is the last."""
+        now = time.perf_counter()
+        if out.token_ids:
+            if stream.first_token is None:
+                stream.first_token = now
+                self.metrics.observe("ttft", now - stream.arrived)
+            elif stream.stream:
+                self.metrics.observe("inter_token", (now - stream.last_sent) / len(out.token_ids))
+            stream.last_sent = now
+        if not out.finished:
+            return
+        self.metrics.observe("e2e", now - stream.arrived)
+        if out.queue_seconds is not None:
+            self.metrics.observe("queue", out.queue_seconds)
+        ttft = stream.first_token - stream.arrived if stream.first_token else None
+        self.log(dict(request_id=stream.log_id, engine_id=stream.request_id, stream=stream.stream,
+                      prompt_tokens=out.prompt_tokens, output_tokens=out.output_tokens,
+                      finish_reason=out.finish_reason, error=out.error and out.error[:200],
+                      queue_ms=round(1000 * (out.queue_seconds or 0), 2),
+                      ttft_ms=round(1000 * ttft, 2) if ttft is not None else None,
+                      total_ms=round(1000 * (now - stream.arrived), 2),
+                      # from seeing the cancellation to the engine's last output: at most one step
+                      stop_ms=round(1000 * (now - stream.cancel_seen), 2) if stream.cancel_seen else None))
