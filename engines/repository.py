@@ -23,7 +23,7 @@ from pathlib import Path
 
 from kvforge import llm_io
 from kvforge.cli import fail_cleanly
-from kvforge.manifest import Manifest, ManifestError
+from kvforge.manifest import Manifest, ManifestError, cache_namespace
 from kvforge.limits import DEFAULT_KV_CACHE_BYTES, Limits
 
 DEFAULT_ENGINE_DIR = Path("model_repository/llm/1/engine")
@@ -101,8 +101,9 @@ def write_repository(engine_dir: Path, repo: Path, slots: int | None = None,
     configs = {
         "llm": model_config(
             "llm", limits.slots, LLM_INPUTS, LLM_OUTPUTS, LLM_QUEUE_DELAY_US, kind,
+            # cache_namespace: which blocks this engine can reuse; a router refuses replicas of another
             dict(engine_dir=relative_engine, slots=limits.slots, max_waiting=limits.max_waiting,
-                 kv_cache_bytes=kv_cache_bytes),
+                 kv_cache_bytes=kv_cache_bytes, cache_namespace=cache_namespace(manifest).hex()),
             decoupled=True),
         "step": model_config(
             "step", limits.score_rows,

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from kvforge import env
 from kvforge.errors import KVForgeError
+from kvforge.manifest import cache_namespace
 from runtime.llm_engine import LLMEngine
 from runtime.sequence import RequestOutput
 from triton_models.lifeline import exit_with_server
@@ -38,6 +39,10 @@ class TritonPythonModel:
         self.engine = LLMEngine(Path(args["model_repository"]).parent / params["engine_dir"],
                                 slots=int(params["slots"]), max_waiting=int(params["max_waiting"]),
                                 kv_cache_bytes=int(params["kv_cache_bytes"]), **env.engine_options())
+        # a router trusts this parameter: an engine rebuilt without `engines repository` must not load
+        if params.get("cache_namespace") != cache_namespace(self.engine.manifest).hex():
+            raise ValueError("config.pbtxt names no cache namespace or another one than the engine's: "
+                             "rerun `python -m engines repository` (make build-engines does)")
         self.queue_timeout = env.seconds(env.QUEUE_TIMEOUT)
         self.request_timeout = env.seconds(env.REQUEST_TIMEOUT)
         access_log = os.environ.get(env.ACCESS_LOG)
