@@ -38,7 +38,7 @@ ifneq ($(KV_REDIS_URL),)
 export KVFORGE_KV_REDIS_URL := $(KV_REDIS_URL)
 endif
 
-.PHONY: setup export verify build-engines serve run test bench soak redis redis-cluster clean
+.PHONY: setup export verify build-engines serve run fleet test bench soak redis redis-cluster clean
 
 setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -74,6 +74,14 @@ serve: setup
 
 run: build-engines
 	$(SERVE) $(KV_FLAGS) -- $(PY) -m clients.generate "$(PROMPT)" --url $(HOST):$(GRPC_PORT) --max-tokens $(MAX_TOKENS) $(SAMPLING)
+
+# REPLICAS launchers of the same engine on this host (replica i on the default ports + 10*i, each with
+# cores/REPLICAS threads and KV_HOST_BYTES/REPLICAS) behind the KV-aware router on ROUTER_PORT (docs/fleet.md)
+REPLICAS ?= 2
+ROUTER_PORT ?= 8080
+fleet: setup
+	$(PY) -m launcher.fleet --replicas $(REPLICAS) --repo model_repository --host $(HOST) --router-port $(ROUTER_PORT) \
+		--log-dir $(LOG_DIR) $(KV_FLAGS)
 
 # 10 minutes of mixed traffic at concurrency 64 against its own server on free ports
 soak: setup

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvforge import env
 from kvforge.manifest import Manifest, ManifestError
 from runtime.runners.base import Runner
 from runtime.runners.ort import OrtConcatRunner, OrtInplaceRunner
@@ -29,4 +30,5 @@ def open_runner(engine_dir: Path, threads: int | None = None) -> Runner:
     if not path.is_file():
         raise ManifestError(f"{path} is missing; rebuild with `make build-engines`")
     cls = OrtInplaceRunner if manifest.kv_layout == "inplace" else OrtConcatRunner
-    return cls(manifest, path, threads or manifest.engine.get("threads"))
+    # the serving host decides its threads ($KVFORGE_THREADS) before the build host did (the manifest)
+    return cls(manifest, path, threads or env.threads() or manifest.engine.get("threads"))

@@ -69,7 +69,9 @@ class TritonPythonModel:
 
     def submit(self, request, sender, log_id):
         prompt, params, stream, echo = parse(request, self.engine)
-        responses = ResponseStream(sender, stream, log_id, requested_outputs(request), echo, request.request_id())
+        # a `stop` names the request by its Triton id (gRPC) or, over HTTP, by its X-Request-ID
+        responses = ResponseStream(sender, stream, log_id, requested_outputs(request), echo,
+                                   request.request_id() or log_id)
         responses.request_id = self.engine.submit(prompt, params, self.sender.on_output(responses),
                                                   cache_salt=cache_salt(request), queue_timeout=self.queue_timeout,
                                                   timeout=self.request_timeout)
@@ -80,7 +82,7 @@ class TritonPythonModel:
         request with this request id; its stream ends with what it has generated so far."""
         # llama-index marks its stop request with a "Streaming" parameter; nothing else may come along
         refuse_unknown_parameters(request, allowed=("Streaming",))
-        self.sender.stop(request.request_id())
+        self.sender.stop(request.request_id() or log_id_of(request))
         request.get_response_sender().send(flags=FINAL)
 
     def finalize(self):

@@ -1,0 +1,407 @@
+"""The KV-aware router (frontend/router.py) in front of two real replicas (launchers), as a child
+process; a fake replica (a small HTTP server) where a failure must happen on cue.
+
+Which replica served a request is read from the router's /metrics (requests per replica), cached
+tokens from the responses: nothing here depends on timing but generous polling bounds.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import ROOT, SERVING_CONTEXT
+
+WORDS = ("alpha beta gamma delta import return yield lambda class def self value items print range "
+         "open close read write list dict tuple set frozen bytes string number error raise").split()
+KEY = "router-test-control-key-0123456789"
+WAIT = 60.0  # generous bound for anything polled
+
+
+def text(seed: int, words: int = 400) -> str:
+    """A prompt of its own: with 400 words, dozens of 16-token blocks."""
+    rng = random.Random(seed)
+    return f"{seed} " + " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def until(condition, what: str, timeout: float = WAIT):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"not within {timeout:.0f} s: {what}")
+
+
+def namespace_of(repo: Path) -> str:
+    from engines.repository import engine_dir_of
+    from kvforge.manifest import Manifest, cache_namespace
+
+    return cache_namespace(Manifest.load(engine_dir_of(repo, "llm"))).hex()
+
+
+def replica_spec(server) -> str:
+    host = server.host
+    return f"http://{server.http_url},http://{host}:{server.openai_port},http://{host}:{server.metrics_port}"
+
+
+def run_router(repo: Path, specs: list[str], port: int, log: Path) -> subprocess.Popen:
+    with open(log, "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "frontend.router", "--repo", str(repo), "--port", str(port),
+                                 *[a for spec in specs for a in ("--replica", spec)]],
+                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+
+
+@contextlib.contextmanager
+def router_over(repo: Path, specs: list[str], tmp: Path):
+    """The router as a child process on a free port, serving once it answers /health."""
+    from launcher.tritonserver import free_ports
+
+    port = free_ports(1)[0]
+    log = tmp / f"router-{port}.log"
+    process = run_router(repo, specs, port, log)
+    url = f"http://127.0.0.1:{port}"
+
+    def answers():
+        assert process.poll() is None, log.read_text()
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.get(f"{url}/health", timeout=2).status_code == 200
+
+    try:
+        until(answers, "the router answers /health")
+        yield url
+    finally:
+        process.terminate()
+        process.wait(60)
+
+
+@pytest.fixture(scope="module")
+def repo(exports, tmp_path_factory):
+    from engines.repository import write_repository
+
+    repo = tmp_path_factory.mktemp("router_repository")
+    write_repository(exports(max_seq_len=SERVING_CONTEXT), repo, slots=4)
+    return repo
+
+
+@pytest.fixture(scope="module")
+def replicas(repo):
+    from launcher.harness import TritonServer, free_ports
+
+    ports = free_ports(8)  # in one call: all different
+    servers = [TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics, openai_port=openai,
+                            control_key=KEY)
+               for http, grpc, metrics, openai in (ports[:4], ports[4:])]
+    try:
+        for server in servers:  # from this thread: a replica dies with the thread that started it
+            server.start()
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def router(repo, replicas, tmp_path_factory):
+    with router_over(repo, [replica_spec(s) for s in replicas], tmp_path_factory.mktemp("router")) as url:
+        yield url
+
+
+def metrics(url: str) -> dict[str, float]:
+    """The router's samples: 'name{labels}' -> value."""
+    samples = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def per_replica(samples: dict[str, float], name: str) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for key, value in samples.items():
+        found = re.fullmatch(rf'{name}\{{replica="(\d+)"[^}}]*\}}', key)
+        if found:
+            totals[found.group(1)] = totals.get(found.group(1), 0) + value
+    return totals
+
+
+def delta(before: dict, after: dict, name: str) -> dict[str, float]:
+    b, a = per_replica(before, name), per_replica(after, name)
+    return {r: a[r] - b.get(r, 0) for r in a if a[r] != b.get(r, 0)}
+
+
+def idle(url: str) -> None:
+    """Both replicas' load back to 0 as the router sees it (so only the prefix decides)."""
+    until(lambda: all(v == 0 for v in per_replica(metrics(url), "kvforge_router_replica_load").values()),
+          "every replica idle")
+
+
+def generate(url: str, prompt: str, **fields) -> httpx.Response:
+    return httpx.post(f"{url}/v2/models/llm/generate", json={"text_input": prompt, "max_tokens": 2, **fields},
+                      timeout=WAIT)
+
+
+def test_a_repeated_prompt_goes_back_to_the_replica_that_cached_it(router):
+    prompt = text(1)
+    idle(router)
+    first = generate(router, prompt)
+    idle(router)
+    before = metrics(router)
+    second = generate(router, prompt)
+    after = metrics(router)
+    assert first.status_code == second.status_code == 200, (first.text, second.text)
+    cached = second.json()["cached_tokens"]
+    assert cached > 0 and first.json()["cached_tokens"] == 0
+    served_by = delta(before, after, "kvforge_router_requests_total")
+    assert len(served_by) == 1
+    (replica,) = served_by
+    assert delta(before, after, "kvforge_router_predicted_cached_tokens_total") == {replica: cached}
+    assert delta(before, after, "kvforge_router_cached_tokens_total") == {replica: cached}
+
+    # the OpenAI API: a chat, through the chat template, streamed with its usage
+    chat = {"model": "llm", "messages": [{"role": "user", "content": text(2)}], "max_tokens": 2,
+            "stream": True, "stream_options": {"include_usage": True}}
+    usages = []
+    for _ in range(2):
+        idle(router)
+        with httpx.stream("POST", f"{router}/v1/chat/completions", json=chat, timeout=WAIT) as response:
+            assert response.status_code == 200
+            events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        usages.append(json.loads(events[-2])["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert usages[0] == 0 and usages[1] > 0
+
+
+def test_prompts_without_a_shared_prefix_spread_over_both_replicas(router):
+    before = metrics(router)
+    for seed in range(100, 106):
+        idle(router)
+        assert generate(router, text(seed, words=40)).status_code == 200
+    after = metrics(router)
+    spread = delta(before, after, "kvforge_router_requests_total")
+    assert set(spread) == {"1", "2"}, spread
+    # equal load, nothing cached: the tie-breaker evens out the requests each replica got
+    totals = per_replica(after, "kvforge_router_requests_total")
+    assert abs(totals["1"] - totals["2"]) <= 1, totals
+
+
+def test_another_cache_salt_gets_no_predicted_hit(router):
+    prompt = text(3)
+    idle(router)
+    assert generate(router, prompt).status_code == 200
+    for salt, hit in (("tenant-b", False), ("tenant-b", True)):  # isolated from the unsalted run, then its own hit
+        idle(router)
+        before = metrics(router)
+        response = generate(router, prompt, cache_salt=salt)
+        after = metrics(router)
+        assert response.status_code == 200
+        predicted = sum(delta(before, after, "kvforge_router_predicted_cached_tokens_total").values())
+        assert (predicted > 0) == hit and (response.json()["cached_tokens"] > 0) == hit, (salt, predicted)
+
+
+def test_stop_goes_to_the_replica_serving_that_request(router):
+    body = {"text_input": text(4, words=20), "max_tokens": 1500, "stream": True}
+    stop = {"input_ids": [0], "input_lengths": 0, "request_output_len": 0, "stop": True}
+    idle(router)
+    with httpx.stream("POST", f"{router}/v2/models/llm/generate_stream", json=body,
+                      headers={"X-Request-ID": "long-one"}, timeout=WAIT) as stream:
+        assert stream.status_code == 200
+        lines = stream.iter_lines()  # kept: a dropped iterator closes the stream
+        next(lines)  # it is live on its replica now
+        serving = {r for r, load in per_replica(metrics(router), "kvforge_router_replica_load").items() if load}
+        before = metrics(router)
+        answer = httpx.post(f"{router}/v2/models/llm/generate_stream", json=stop,
+                            headers={"X-Request-ID": "long-one"}, timeout=WAIT)
+        after = metrics(router)
+        # the replica matched the stop by the request's X-Request-ID: the stream ends, far short of 1500
+        events = [json.loads(line[len("data:"):]) for line in lines if line.startswith("data:")]
+    assert answer.status_code == 200
+    stopped_on = set(delta(before, after, "kvforge_router_requests_total"))
+    assert stopped_on == serving and len(serving) == 1
+    assert events and events[-1]["finish_reason"] == "cancelled" and len(events) < 1500
+
+
+def test_clear_prefix_cache_fans_out_to_every_replica(router):
+    prompt = text(5)
+    idle(router)
+    assert generate(router, prompt).status_code == 200
+    clear = {"text_input": "", "max_tokens": 1, "clear_prefix_cache": True}
+    refused = httpx.post(f"{router}/v2/models/llm/generate", json={**clear, "control_key": "wrong"})
+    assert refused.status_code == 400 and set(refused.json()["replicas"]) == {"1", "2"}
+    cleared = httpx.post(f"{router}/v2/models/llm/generate", json={**clear, "control_key": KEY})
+    assert cleared.status_code == 200, cleared.text
+    answers = cleared.json()["replicas"]
+    assert set(answers) == {"1", "2"} and all("cleared" in a["response"]["text_output"] for a in answers.values())
+    assert set(per_replica(metrics(router), "kvforge_router_index_blocks").values()) == {0}
+    idle(router)
+    again = generate(router, prompt)
+    assert again.status_code == 200 and again.json()["cached_tokens"] == 0
+
+
+def test_control_and_metadata_apis_are_not_forwarded(router):
+    for method, path in (("POST", "/v2/repository/index"), ("POST", "/v2/repository/models/llm/unload"),
+                         ("GET", "/v2/logging"), ("GET", "/v2/models/llm/config"), ("GET", "/v2/models/stats")):
+        response = httpx.request(method, f"{router}{path}", headers={"kvforge-key": KEY})
+        assert response.status_code == 404 and "not forwarded" in response.json()["error"], path
+
+
+# ---------------------------------------------------------------------- a fake replica
+
+class FakeReplica(ThreadingHTTPServer):
+    """Answers the router's checks like a replica; its generate answers are set by `mode`:
+    "refuse" (503), "drop" (closes the connection unanswered), "break" (one event, then gone)."""
+
+    daemon_threads = True
+
+    def __init__(self, namespace: str):
+        super().__init__(("127.0.0.1", 0), FakeHandler)
+        self.namespace, self.mode, self.ready = namespace, "refuse", True
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def spec(self) -> str:
+        url = f"http://127.0.0.1:{self.server_address[1]}"
+        return f"{url},{url},{url}"
+
+
+class FakeHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def answer(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        fake = self.server
+        if self.path == "/v2/models/llm/config":
+            self.answer(200, json.dumps({"parameters": {"cache_namespace": {"string_value": fake.namespace}}}).encode())
+        elif self.path == "/v2/health/ready":
+            self.answer(200 if fake.ready else 503, b"{}")
+        elif self.path == "/metrics":
+            self.answer(200, b"kvforge_kv_host_pool_budget_bytes 1000000\nkvforge_running_sequences 0\n"
+                             b"kvforge_waiting_sequences 0\n", "text/plain")
+        else:
+            self.answer(200, b"{}")
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        mode = self.server.mode
+        if mode == "refuse":
+            self.answer(503, b'{"error": "UNAVAILABLE: the fake replica is full"}')
+        elif mode == "drop":
+            self.close_connection = True
+            self.connection.close()
+        else:  # "break": the first event, then the connection goes mid-body
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            event = b'data: {"text_output": "x", "cached_tokens": 0}\n\n'
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+            self.wfile.flush()
+            self.close_connection = True
+            self.connection.close()
+
+
+@pytest.fixture
+def fake(repo):
+    server = FakeReplica(namespace_of(repo))
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_request_failing_before_its_first_token_is_retried_on_another_replica(repo, replicas, fake, tmp_path):
+    # the fake is replica 1: it wins every tie, so each request tries it first
+    with router_over(repo, [fake.spec, replica_spec(replicas[0])], tmp_path) as url:
+        for mode, path, body in (
+                ("refuse", "/v2/models/llm/generate", {"text_input": text(6, words=20), "max_tokens": 2}),
+                ("drop", "/v2/models/llm/generate", {"text_input": text(7, words=20), "max_tokens": 2}),
+                ("refuse", "/v1/completions", {"model": "llm", "prompt": text(8, words=20), "max_tokens": 2})):
+            fake.mode = mode
+            # a dropped connection takes the fake out of the rotation until its next poll
+            until(lambda: per_replica(metrics(url), "kvforge_router_replica_ready") == {"1": 1, "2": 1},
+                  "the fake back in the rotation")
+            idle(url)
+            before = metrics(url)
+            response = httpx.post(f"{url}{path}", json=body, timeout=WAIT)
+            after = metrics(url)
+            assert response.status_code == 200, (mode, path, response.text)
+            assert after["kvforge_router_retries_total"] == before["kvforge_router_retries_total"] + 1, mode
+            assert delta(before, after, "kvforge_router_failed_attempts_total") == {"1": 1}, mode
+            assert delta(before, after, "kvforge_router_requests_total") == {"2": 1}, mode
+
+
+def test_a_stream_broken_after_its_first_token_ends_with_an_error_event(repo, fake, tmp_path):
+    fake.mode = "break"
+    with router_over(repo, [fake.spec], tmp_path) as url:
+        with httpx.stream("POST", f"{url}/v2/models/llm/generate_stream",
+                          json={"text_input": "x", "max_tokens": 8}, timeout=WAIT) as response:
+            events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+        assert response.status_code == 200 and events[0]["text_output"] == "x"
+        assert "ended the stream early" in events[-1]["error"]
+        with httpx.stream("POST", f"{url}/v1/completions", json={"model": "llm", "prompt": "x", "stream": True},
+                          timeout=WAIT) as response:
+            events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and "ended the stream early" in json.loads(events[-2])["error"]["message"]
+        assert metrics(url)["kvforge_router_stream_errors_total"] == 2
+
+        fake.ready = False  # no replica ready: the router is not ready either, and says so
+        until(lambda: httpx.get(f"{url}/health").status_code == 503, "the router's readiness turns 503")
+        refused = generate(url, "x")
+        assert refused.status_code == 503 and "no replica is ready" in refused.json()["error"]
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("127.0.0.1:8000", "must be three URLs"),
+    ("http://127.0.0.1:{free},http://127.0.0.1:{free},http://127.0.0.1:{free}", "does not answer"),
+    ("{wrong}", "serves cache namespace"),
+])
+def test_bad_replicas_are_refused_at_start_with_one_line(repo, tmp_path, spec, expected):
+    from launcher.tritonserver import free_ports
+
+    wrong = FakeReplica("0" * 64)
+    try:
+        spec = spec.format(free=free_ports(1)[0], wrong=wrong.spec)
+        result = subprocess.run([sys.executable, "-m", "frontend.router", "--repo", str(repo),
+                                 "--port", str(free_ports(1)[0]), "--replica", spec],
+                                cwd=ROOT, capture_output=True, text=True, timeout=WAIT)
+    finally:
+        wrong.shutdown()
+        wrong.server_close()
+    assert result.returncode == 2 and expected in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_a_replica_failing_readiness_leaves_the_rotation(router, replicas):
+    """Last in the module: it stops replica 2."""
+    replicas[1].stop()
+    # at once (before a poll may have noticed): the retry covers it
+    for seed in range(200, 204):
+        response = generate(router, text(seed, words=20))
+        assert response.status_code == 200, response.text
+    until(lambda: per_replica(metrics(router), "kvforge_router_replica_ready") == {"1": 1, "2": 0},
+          "replica 2 out of the rotation")
+    before = metrics(router)
+    for seed in range(300, 304):
+        assert generate(router, text(seed, words=20)).status_code == 200
+    assert delta(before, metrics(router), "kvforge_router_requests_total") == {"1": 4}
+    assert httpx.get(f"{router}/health").json() == {"ready_replicas": [1]}
