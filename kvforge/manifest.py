@@ -182,14 +182,16 @@ class ModelSpec:
         return scale
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "ModelSpec":
+    def from_hf_config(cls, cfg: dict, cache_only: bool = False) -> "ModelSpec":
+        """cache_only: only the facts sizing the cache are needed (export.kv_size), so what the
+        exporter refuses without changing the cache (MoE layers, quantized weights) is let through."""
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else None
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ManifestError(
                 f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         if arch in MLA_ARCHITECTURES:
-            return cls._from_mla_config(cfg, arch)
+            return cls._from_mla_config(cfg, arch, cache_only)
         rope = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):
@@ -217,25 +219,25 @@ class ModelSpec:
         )
 
     @classmethod
-    def _from_mla_config(cls, cfg: dict, arch: str) -> "ModelSpec":
+    def _from_mla_config(cls, cfg: dict, arch: str, cache_only: bool) -> "ModelSpec":
         """DeepSeek-V2/V3. config.json's head_dim (= qk_rope_head_dim) and num_key_value_heads
         (128 by default) say nothing about the cache and are not read."""
         layers = int(cfg["num_hidden_layers"])
         experts = cfg.get("n_routed_experts")
         dense = int(cfg.get("first_k_dense_replace") or 0)
-        if experts and dense < layers:
+        if experts and dense < layers and not cache_only:
             raise ManifestError(
                 f"{arch} with mixture-of-experts layers is not supported yet: n_routed_experts={experts} and "
                 f"first_k_dense_replace={dense} < num_hidden_layers={layers} make layers {dense}..{layers - 1} "
                 "MoE; only checkpoints whose layers are all dense (first_k_dense_replace >= num_hidden_layers "
                 "or no n_routed_experts) export")
         quant = cfg.get("quantization_config")
-        if quant:
+        if quant and not cache_only:
             method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
             raise ManifestError(
                 f"{arch} checkpoint has quantization_config (quant_method {method!r}, e.g. DeepSeek's fp8 "
                 "block-scaled weights): only unquantized weights are read; dequantize to bf16/fp32 first")
-        if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias"):
+        if (cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias")) and not cache_only:
             raise ManifestError(f"{arch}: only a SiLU MLP without biases is supported "
                                 f"(hidden_act={cfg.get('hidden_act')!r}, mlp_bias={cfg.get('mlp_bias')})")
         rope = {**(cfg.get("rope_parameters") or {}), **(cfg.get("rope_scaling") or {})}
