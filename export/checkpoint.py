@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from kvforge.manifest import KVDType, ManifestError, ModelSpec
-from export.model import CausalLM
+from export.model import CausalLM, rope_rows_to_halves
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -69,8 +69,6 @@ def load_model(checkpoint: Path, layout: str, kv: KVDType) -> tuple[ModelSpec, C
 def permute_rope_rows(spec: ModelSpec, state: dict[str, torch.Tensor]) -> None:
     """DeepSeek-V3 rope_interleave: reorder the rows producing q_pe and k_pe so a half-split
     RotaryEmbedding computes what apply_rotary_pos_emb_interleave computes (export.model)."""
-    from export.model import rope_rows_to_halves
-
     dr, qk = spec.qk_rope_head_dim, spec.qk_head_dim
     for i in range(spec.num_layers):
         prefix = f"model.layers.{i}.self_attn."

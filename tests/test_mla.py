@@ -222,9 +222,10 @@ def test_continuous_batching_equals_solo(mla_exports):
         assert result.token_ids == greedy_tokens(runner, prompt, n, {2})  # 2: the EOS
 
 
-def test_prefix_cache_hit_equals_miss_and_swap(mla_exports):
-    """The block spec, the host pool and the copies are the ones of key/value caches: a hit
-    changes nothing, and a row swapped out and back decodes on as before."""
+def test_prefix_cache_hit_equals_miss_disk_tier_and_swap(mla_exports, tmp_path):
+    """The block spec, the host pool, the disk tier and the copies are the ones of key/value
+    caches: a hit (from RAM, or from disk after a restart) changes nothing, and a row swapped out
+    and back decodes on as before."""
     from runtime.kv.manager import HostBlockPool, KVManager
     from runtime.llm_engine import LLMEngine, SamplingParams
     from runtime.runners import open_runner
@@ -243,6 +244,14 @@ def test_prefix_cache_hit_equals_miss_and_swap(mla_exports):
         warm = engine.generate([prompt], params)[0]
     assert (cold.cached_tokens, warm.cached_tokens) == (0, 64)
     assert cold.token_ids == warm.token_ids == expected.token_ids
+    runs = []
+    for _ in range(2):  # the second engine starts with an empty RAM pool and reads the disk
+        with LLMEngine(directory, threads=1, kv_disk_dir=tmp_path) as engine:
+            runs.append(engine.generate([prompt], params)[0])
+            disk = engine.stats()["tiers"]["disk"]
+    assert [r.cached_tokens for r in runs] == [0, 64]
+    assert disk["hit_blocks"] == 4 and disk["read_bytes"] > 0
+    assert all(r.token_ids == expected.token_ids for r in runs)
 
     runner = open_runner(directory, threads=1)
     pool = HostBlockPool(runner.block, 8 * runner.block.bytes_per_block)
