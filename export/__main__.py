@@ -11,7 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from kvforge.manifest import KV_DTYPES, KV_LAYOUTS, Manifest, ManifestError, ModelSpec, check_layout_dtype
+from kvforge.manifest import (KV_DTYPES, KV_LAYOUTS, Manifest, ManifestError, ModelSpec, check_attention_dtype,
+                              check_layout_dtype)
 from kvforge.cli import atomic_directory, fail_cleanly, progress
 
 CHECKPOINT_CACHE = Path(os.environ.get("KVFORGE_CHECKPOINTS", "build/checkpoints"))
@@ -49,6 +50,7 @@ def export(model: str, out: Path, kv_layout: str, kv_dtype: str, max_seq_len: in
     with progress(f"resolving model {model}"):
         source = resolve_model(model)
         spec = ModelSpec.from_hf_config(checkpoint.read_config(source))
+        check_attention_dtype(spec, kv_dtype)
         tokenizer = checkpoint.tokenizer_info(source)
     manifest = Manifest(model=spec, kv_layout=kv_layout, kv_dtype=kv_dtype,
                         max_seq_len=max_seq_len if max_seq_len is not None else spec.max_positions,

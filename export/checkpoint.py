@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from kvforge.manifest import KVDType, ManifestError, ModelSpec
-from export.model import CausalLM
+from export.model import CausalLM, rope_rows_to_halves
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -59,8 +59,24 @@ def load_model(checkpoint: Path, layout: str, kv: KVDType) -> tuple[ModelSpec, C
     missing = sorted(expected - state.keys())
     if missing:
         raise ManifestError(f"{checkpoint} lacks weights the architecture needs, e.g. {missing[:3]}")
-    model.load_state_dict({k: state[k].to(torch.float32) for k in expected}, strict=False)
+    state = {k: state[k].to(torch.float32) for k in expected}  # MTP layers and the like are not read
+    if spec.rope_interleave == "pairs-to-halves":
+        permute_rope_rows(spec, state)
+    model.load_state_dict(state, strict=False)
     return spec, model.eval()
+
+
+def permute_rope_rows(spec: ModelSpec, state: dict[str, torch.Tensor]) -> None:
+    """DeepSeek-V3 rope_interleave: reorder the rows producing q_pe and k_pe so a half-split
+    RotaryEmbedding computes what apply_rotary_pos_emb_interleave computes (export.model)."""
+    dr, qk = spec.qk_rope_head_dim, spec.qk_head_dim
+    for i in range(spec.num_layers):
+        prefix = f"model.layers.{i}.self_attn."
+        for name, heads, width in (("q_proj.weight", spec.num_heads, qk), ("q_b_proj.weight", spec.num_heads, qk),
+                                   ("kv_a_proj_with_mqa.weight", 1, spec.kv_lora_rank + dr),
+                                   ("kv_a_proj_with_mqa.bias", 1, spec.kv_lora_rank + dr)):
+            if prefix + name in state:
+                state[prefix + name] = rope_rows_to_halves(state[prefix + name], heads, width, dr)
 
 
 def tokenizer_info(checkpoint: Path) -> dict:

@@ -3,6 +3,10 @@
 Exact KV-cache bytes per token and in total, from the model's config alone (no weights loaded).
 Without --kv-dtype every dtype is listed, so the effect of quantization is one table; with
 --kv-heads the same model is shown with another KV head count (GQA/MQA).
+An MLA model (DeepSeek-V2/V3) is shown beside what its attention would cache without the latent:
+"mha", its heads' decompressed K (qk_nope + qk_rope wide) and V (v_head_dim wide), and "gqa-N", a
+GQA of the same layers and hidden size with N = --kv-heads (default 8) KV heads of v_head_dim
+(DeepSeek-V3: 128, the head_dim Llama-style models of its width use).
 """
 from __future__ import annotations
 
@@ -13,7 +17,10 @@ import sys
 from pathlib import Path
 
 from kvforge.cli import fail_cleanly
-from kvforge.manifest import KV_DTYPES, ManifestError, ModelSpec, kv_bytes, kv_bytes_per_token
+from kvforge.manifest import (KV_DTYPES, MLA_KV_DTYPES, ManifestError, ModelSpec, check_attention_dtype, kv_bytes,
+                              kv_bytes_per_token)
+
+MLA_COMPARISON_KV_HEADS = 8
 
 
 def load_spec(model: str) -> ModelSpec:
@@ -26,7 +33,7 @@ def load_spec(model: str) -> ModelSpec:
     if not config.is_file():
         raise ManifestError(f"{model!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json or checkpoint dir")
     try:
-        return ModelSpec.from_hf_config(json.loads(config.read_text()))
+        return ModelSpec.from_hf_config(json.loads(config.read_text()), cache_only=True)
     except json.JSONDecodeError as e:
         raise ManifestError(f"{config} is not valid JSON: {e}") from None
 
@@ -40,8 +47,19 @@ def human(n: float) -> str:
 
 
 def table(spec: ModelSpec, context: int, batch: int, dtypes: list[str]) -> list[dict]:
-    return [{"kv_dtype": d, "bytes_per_token": kv_bytes_per_token(spec, d),
+    return [{"attention": spec.attention if spec.attention == "mla" else f"gqa-{spec.num_kv_heads}"
+             if spec.num_kv_heads < spec.num_heads else "mha",
+             "kv_dtype": d, "bytes_per_token": kv_bytes_per_token(spec, d),
              "total_bytes": kv_bytes(spec, d, context, batch)} for d in dtypes]
+
+
+def mla_comparisons(spec: ModelSpec, kv_heads: int) -> list[tuple[str, ModelSpec]]:
+    """The MLA model, its attention decompressed (every head's K and V), and a GQA of its size."""
+    base = dataclasses.replace(spec, attention="mha", rope_scaling=None, rope_interleave="halves")
+    # K is qk_head_dim wide and V v_head_dim: two tensors of the mean width count the same bytes
+    mha = dataclasses.replace(base, num_kv_heads=spec.num_heads, head_dim=(spec.qk_head_dim + spec.v_head_dim) / 2)
+    gqa = dataclasses.replace(base, num_kv_heads=kv_heads, head_dim=spec.v_head_dim)
+    return [("mla", spec), ("mha", mha), (f"gqa-{kv_heads}", gqa)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.context <= 0 or args.batch <= 0:
         raise ManifestError("--context and --batch must be positive")
     spec = load_spec(args.model)
+    if spec.attention == "mla":
+        return mla_main(spec, args)
     if args.kv_heads is not None:
         if args.kv_heads <= 0 or spec.num_heads % args.kv_heads:
             raise ManifestError(f"--kv-heads must divide the {spec.num_heads} attention heads")
@@ -71,6 +91,35 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         print(f"{row['kv_dtype']:<9}{row['bytes_per_token']:>14,}{human(row['bytes_per_token']):>12}"
               f"{human(row['total_bytes']):>14}")
+    return 0
+
+
+def mla_main(spec: ModelSpec, args) -> int:
+    kv_heads = args.kv_heads or MLA_COMPARISON_KV_HEADS
+    if kv_heads <= 0:
+        raise ManifestError("--kv-heads must be positive")
+    dtypes = [args.kv_dtype] if args.kv_dtype else list(MLA_KV_DTYPES)
+    for d in dtypes:
+        check_attention_dtype(spec, d)
+    rows = []
+    for name, s in mla_comparisons(spec, kv_heads):
+        for row in table(s, args.context, args.batch, dtypes):
+            rows.append({**row, "attention": name, "bytes_per_token": int(row["bytes_per_token"]),
+                         "total_bytes": int(row["total_bytes"])})
+    mla_bytes = {r["kv_dtype"]: r["bytes_per_token"] for r in rows if r["attention"] == "mla"}
+    for row in rows:
+        row["x_mla"] = round(row["bytes_per_token"] / mla_bytes[row["kv_dtype"]], 2)
+    if args.json:
+        print(json.dumps({"model": dataclasses.asdict(spec), "context": args.context, "batch": args.batch,
+                          "rows": rows}, indent=2))
+        return 0
+    print(f"{spec.architecture}: MLA, {spec.num_layers} layers x latent {spec.kv_lora_rank} + rope "
+          f"{spec.qk_rope_head_dim}; mha = {spec.num_heads} heads of K {spec.qk_head_dim} + V {spec.v_head_dim}; "
+          f"gqa-{kv_heads} = {kv_heads} KV heads x {spec.v_head_dim}; {args.batch} x {args.context} tokens")
+    print(f"{'attention':<10}{'kv dtype':<9}{'bytes/token':>14}{'per token':>12}{'total':>14}{'x mla':>8}")
+    for row in rows:
+        print(f"{row['attention']:<10}{row['kv_dtype']:<9}{row['bytes_per_token']:>14,}"
+              f"{human(row['bytes_per_token']):>12}{human(row['total_bytes']):>14}{row['x_mla']:>8}")
     return 0
 
 

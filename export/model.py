@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2) written for export with an explicit KV cache.
+"""A Llama-family decoder (Llama, Mistral, Qwen2) and DeepSeek-V2/V3's Multi-head Latent
+Attention (MLAAttention, dense layers only), written for export with an explicit KV cache.
 
 Module and parameter names match Hugging Face checkpoints, so a safetensors state dict loads
 as is. The cache is passed in and returned as flat tensors in the order the manifest gives
@@ -16,6 +17,8 @@ During torch.onnx.export the in-place ops are emitted as ONNX opset-24 symbolic 
 the same math runs in torch so parity with Hugging Face can be checked without exporting.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -42,11 +45,68 @@ def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.
     return freqs.cos(), freqs.sin()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, H, S, D] with Hugging Face's half-split convention: one ONNX RotaryEmbedding
-    op (opset 23) instead of a dozen slices and elementwise ops per call. The 4-D form is the
-    one TensorRT's IRotaryEmbeddingLayer documents."""
-    return torch.onnx.ops.rotary_embedding(x, cos, sin)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotate x [B, H, S, D] with Hugging Face's half-split convention (interleaved: consecutive
+    pairs, DeepSeek-V2's complex form): one ONNX RotaryEmbedding op (opset 23) instead of a dozen
+    slices and elementwise ops per call. The 4-D form is the one TensorRT's IRotaryEmbeddingLayer
+    documents."""
+    return torch.onnx.ops.rotary_embedding(x, cos, sin, interleaved=interleaved)
+
+
+def yarn_inv_freq(spec: ModelSpec) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [dr/2] and the cos/sin factor of the MLA rotary part: plain RoPE, or
+    yarn as transformers' _compute_yarn_parameters computes it (same float32 ops, so the same bits)."""
+    dim, base = spec.qk_rope_head_dim, spec.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    yarn = spec.rope_scaling
+    if not yarn:
+        return 1.0 / pos_freqs, 1.0
+    factor, original = yarn["factor"], yarn["original_max_position_embeddings"]
+
+    def get_mscale(scale, mscale=1.0):
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = yarn.get("attention_factor")
+    if attention_factor is None:
+        if yarn.get("mscale") and yarn.get("mscale_all_dim"):
+            attention_factor = float(get_mscale(factor, yarn["mscale"]) / get_mscale(factor, yarn["mscale_all_dim"]))
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast, beta_slow = yarn.get("beta_fast") or 32, yarn.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if yarn.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def mla_rotary(positions: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [B, S, dr/2] of the MLA rotary part (yarn's attention factor applied to both)."""
+    inv_freq, factor = yarn_inv_freq(spec)
+    freqs = positions.to(torch.float32)[..., None] * inv_freq
+    if factor == 1.0:
+        return freqs.cos(), freqs.sin()
+    return freqs.cos() * factor, freqs.sin() * factor
+
+
+def rope_rows_to_halves(weight: torch.Tensor, heads: int, width: int, rope: int) -> torch.Tensor:
+    """Reorder the rotary output rows of a projection from interleaved pairs (x0, x1, x2, x3, ...)
+    to halves (x0, x2, ..., x1, x3, ...): each of `heads` groups of `width` rows ends with `rope`
+    rotary rows. Half-split RoPE of the reordered rows equals DeepSeek-V3's interleaved RoPE
+    (apply_rotary_pos_emb_interleave: pairs in, halves out) exactly."""
+    order = torch.arange(weight.shape[0]).view(heads, width)
+    rot = order[:, width - rope:]
+    order = torch.cat([order[:, :width - rope], rot[:, 0::2], rot[:, 1::2]], dim=1).flatten()
+    return weight[order]
 
 
 def packed_linear(x: torch.Tensor, layers: list[nn.Linear]) -> tuple[torch.Tensor, ...]:
@@ -58,13 +118,15 @@ def packed_linear(x: torch.Tensor, layers: list[nn.Linear]) -> tuple[torch.Tenso
     return nn.functional.linear(x, weight, bias).split([layer.out_features for layer in layers], dim=-1)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """Softmax attention of q [B, H, S, D] over k/v [B, KVH, T, D]; allowed [B, 1, S, T] bool."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+           scale: float | None = None) -> torch.Tensor:
+    """Softmax attention of q [B, H, S, D] over k/v [B, KVH, T, D]; allowed [B, 1, S, T] bool.
+    scale: the softmax scale (default 1/sqrt(D))."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
     # A finite fill keeps fully masked (padding) rows NaN-free.
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     return torch.softmax(scores, dim=-1) @ v
@@ -82,7 +144,7 @@ def scatter_into(buffer: torch.Tensor, update: torch.Tensor, write_positions: to
 
 
 def attend_inplace(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   write_positions: torch.Tensor) -> torch.Tensor:
+                   write_positions: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Causal attention over a fixed-capacity cache whose row b holds write_positions[b] + S entries.
 
     The limit goes in as an explicit boolean mask rather than Attention's nonpad_kv_seqlen input:
@@ -91,11 +153,12 @@ def attend_inplace(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     key_index = torch.arange(k.shape[2])
     query_pos = write_positions[:, None] + torch.arange(q.shape[2])  # [B, S]
     allowed = (key_index[None, None, :] <= query_pos[:, :, None])[:, None]  # [B, 1, S, CAP]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     if torch.onnx.is_in_onnx_export():
         return torch.onnx.ops.symbolic(
-            "Attention", (q, k, v, allowed), {"scale": q.shape[-1] ** -0.5},
-            dtype=q.dtype, shape=q.shape, version=24)
-    return attend(q, k, v, allowed)
+            "Attention", (q, k, v, allowed), {"scale": scale},
+            dtype=q.dtype, shape=(*q.shape[:3], v.shape[-1]), version=24)
+    return attend(q, k, v, allowed, scale)
 
 
 class Attention(nn.Module):
@@ -139,6 +202,75 @@ class Attention(nn.Module):
         return self.o_proj(out), present
 
 
+class MLAAttention(nn.Module):
+    """DeepSeek-V2/V3 Multi-head Latent Attention over a latent cache, absorbed.
+
+    The cache holds per token one latent [c_kv | k_pe] of width r + dr (r = kv_lora_rank,
+    dr = qk_rope_head_dim): c_kv after kv_a_layernorm, k_pe roped, as Hugging Face's cache holds
+    them (keys, values). Attention never decompresses the context: W_UK (kv_b_proj's key rows) is
+    folded into the query, q_lat = q_nope @ W_UK, so the H query heads [q_lat | q_pe] (width r + dr)
+    attend over K = V = the one latent head, and q_lat . c_kv + q_pe . k_pe equals Hugging Face's
+    q_nope . (W_UK c_kv) + q_pe . k_pe. The output's first r channels are sum(p * c_kv); W_UV
+    (kv_b_proj's value rows) maps them to the heads' values afterwards (its last dr channels,
+    sum(p * k_pe), are dropped): exact up to float reassociation, with no per-step work that grows
+    with the context beyond the attention itself. Prefill runs the same absorbed graph (one graph
+    serves every chunk; a decompressed prefill is not exported)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        h, hidden, bias = spec.num_heads, spec.hidden_size, spec.attention_bias
+        self.heads, self.r, self.dr = h, spec.kv_lora_rank, spec.qk_rope_head_dim
+        self.dn, self.dv = spec.qk_nope_head_dim, spec.v_head_dim
+        qk = self.dn + self.dr
+        if spec.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, h * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, spec.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(spec.q_lora_rank, 1e-6)  # Hugging Face's default eps, not the config's
+            self.q_b_proj = nn.Linear(spec.q_lora_rank, h * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.r + self.dr, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.r, 1e-6)
+        self.kv_b_proj = nn.Linear(self.r, h * (self.dn + self.dv), bias=False)
+        self.o_proj = nn.Linear(h * self.dv, hidden, bias=bias)
+        self.interleaved = spec.rope_interleave == "pairs"  # pairs-to-halves was permuted at load
+
+    def forward(self, x, cos, sin, cache: list[torch.Tensor], kv: KVDType, layout: str,
+                mask_or_positions: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        b, s, _ = x.shape
+        if self.spec.q_lora_rank is None:
+            q = self.q_proj(x)
+            compressed = self.kv_a_proj_with_mqa(x)
+        else:
+            q_a, compressed = packed_linear(x, [self.q_a_proj, self.kv_a_proj_with_mqa])
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
+        q = q.view(b, s, self.heads, self.dn + self.dr).transpose(1, 2)
+        q_nope, q_pe = q.split([self.dn, self.dr], dim=-1)
+        c_kv, k_pe = compressed.split([self.r, self.dr], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)[:, None]  # [B, 1, S, r]
+        q_pe = apply_rotary(q_pe, cos, sin, self.interleaved)
+        k_pe = apply_rotary(k_pe[:, None], cos, sin, self.interleaved)  # [B, 1, S, dr]
+        latent = torch.cat([c_kv, k_pe], dim=-1)
+
+        new = kv_codec.encode(latent, kv)
+        if layout == "concat":
+            present = [torch.cat((cache[0], new[0]), dim=2)]
+        else:
+            present = [scatter_into(cache[0], new[0], mask_or_positions)]
+        context = kv_codec.decode(present, kv)  # [B, 1, T, r + dr]
+
+        w = self.kv_b_proj.weight.view(self.heads, self.dn + self.dv, self.r)
+        w_uk, w_uv_t = w[:, :self.dn], w[:, self.dn:].transpose(1, 2)  # [H, dn, r], [H, r, dv]
+        query = torch.cat([q_nope @ w_uk, q_pe], dim=-1)  # [B, H, S, r + dr]
+        if layout == "concat":
+            out = attend(query, context, context, mask_or_positions, self.spec.attention_scale)
+        else:
+            out = attend_inplace(query, context, context, mask_or_positions, self.spec.attention_scale)
+        out = out[..., :self.r] @ w_uv_t  # [B, H, S, dv]
+        out = out.transpose(1, 2).reshape(b, s, self.heads * self.dv)
+        return self.o_proj(out), present
+
+
 class MLP(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
@@ -155,7 +287,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec)
+        self.self_attn = MLAAttention(spec) if spec.attention == "mla" else Attention(spec)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
@@ -194,7 +326,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.per_layer = 4 if kv.has_scale_tensors else 2
+        self.per_layer = 1 if spec.attention == "mla" else 4 if kv.has_scale_tensors else 2
 
     def forward(self, input_ids: torch.Tensor, *args: torch.Tensor):
         if self.layout == "concat":
@@ -209,7 +341,10 @@ class CausalLM(nn.Module):
             write_positions, logit_positions, *cache = args
             mask_or_positions = write_positions
             positions = write_positions[:, None] + torch.arange(input_ids.shape[1])
-        cos, sin = rotary(positions, self.spec.head_dim, self.spec.rope_theta)
+        if self.spec.attention == "mla":
+            cos, sin = mla_rotary(positions, self.spec)
+        else:
+            cos, sin = rotary(positions, self.spec.head_dim, self.spec.rope_theta)
 
         x = self.model.embed_tokens(input_ids)
         presents: list[torch.Tensor] = []

@@ -19,7 +19,20 @@ MANIFEST_FILE = "manifest.json"
 MODEL_FILE = "model.onnx"
 OPSET = 24  # TensorScatter (the in-place KV write) needs opset 24
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+# Multi-head Latent Attention (DeepSeek-V2/V3): the cache holds one latent per token and layer.
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+# "mha": multi-head attention with num_kv_heads K/V heads (MHA, GQA, MQA), two cache tensors
+# (key, value) per layer. "mla": one cache tensor (latent) per layer, [batch, 1, T, r + dr].
+ATTENTION_KINDS = ("mha", "mla")
+# The KV dtypes an MLA export emits, and why the others are refused.
+MLA_KV_DTYPES = ("fp32", "fp16")
+MLA_REFUSED_DTYPE = ("the latent [c_kv | k_pe] is both the key and the value of every head and reaches them "
+                     "through W_UK and W_UV: the int8/int4 codecs (per-token or per-channel scales of K and V) "
+                     "have not been measured for accuracy on it, and fp8 runs nowhere yet")
+MLA_NO_TENSORRT = ("TensorRT is not built for MLA exports: its in-place KVCacheUpdate/attention path was "
+                   "written for key/value pairs and no GPU host has validated the latent cache")
 KV_LAYOUTS = ("concat", "inplace")
 # Tokens per KV block: the unit the prefix cache hashes, stores and copies. Measured with
 # `python -m bench --sections prefix_cache` (copy, small-llama fp32, 2 shared cores): copying a
@@ -127,14 +140,58 @@ class ModelSpec:
     rms_norm_eps: float
     attention_bias: bool
     tie_word_embeddings: bool
+    # Added without a format bump: older manifests lack them and mean exactly these defaults.
+    # For "mla", num_kv_heads = 1 and head_dim = kv_lora_rank + qk_rope_head_dim: the cache's one
+    # latent "head" [c_kv (after kv_a_layernorm) | k_pe (roped)]; the attention heads' own widths
+    # are qk_nope_head_dim + qk_rope_head_dim (query/key) and v_head_dim (value).
+    attention: str = "mha"
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None  # None: q_proj straight from the hidden state
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # How the checkpoint's rotary channels are laid out: "halves" (Hugging Face rotate_half),
+    # "pairs" (DeepSeek-V2: interleaved pairs in and out), "pairs-to-halves" (DeepSeek-V3 with
+    # rope_interleave: interleaved pairs in, half-split out; the exporter permutes those weight rows
+    # so the graph runs a half-split RotaryEmbedding and the cache holds what Hugging Face's holds).
+    rope_interleave: str = "halves"
+    # yarn parameters as the config gives them (factor, original_max_position_embeddings,
+    # beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor, truncate); None: plain RoPE.
+    rope_scaling: dict | None = None
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION_KINDS:
+            raise ManifestError(f"unknown attention kind {self.attention!r}; choose one of {', '.join(ATTENTION_KINDS)}")
+
+    __hash__ = None  # rope_scaling is a dict: a spec is compared, never hashed
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def attention_scale(self) -> float:
+        """Softmax scale: 1/sqrt(query width), for yarn MLA times mscale(factor, mscale_all_dim)^2."""
+        if self.attention != "mla":
+            return self.head_dim ** -0.5
+        scale = self.qk_head_dim ** -0.5
+        yarn = self.rope_scaling or {}
+        if yarn.get("mscale_all_dim") and yarn.get("factor", 1.0) > 1:
+            m = 0.1 * yarn["mscale_all_dim"] * math.log(yarn["factor"]) + 1.0
+            scale *= m * m
+        return scale
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "ModelSpec":
+    def from_hf_config(cls, cfg: dict, cache_only: bool = False) -> "ModelSpec":
+        """cache_only: only the facts sizing the cache are needed (export.kv_size), so what the
+        exporter refuses without changing the cache (MoE layers, quantized weights) is let through."""
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else None
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ManifestError(
                 f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if arch in MLA_ARCHITECTURES:
+            return cls._from_mla_config(cfg, arch, cache_only)
         rope = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):
@@ -161,12 +218,75 @@ class ModelSpec:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         )
 
+    @classmethod
+    def _from_mla_config(cls, cfg: dict, arch: str, cache_only: bool) -> "ModelSpec":
+        """DeepSeek-V2/V3. config.json's head_dim (= qk_rope_head_dim) and num_key_value_heads
+        (128 by default) say nothing about the cache and are not read."""
+        layers = int(cfg["num_hidden_layers"])
+        experts = cfg.get("n_routed_experts")
+        dense = int(cfg.get("first_k_dense_replace") or 0)
+        if experts and dense < layers and not cache_only:
+            raise ManifestError(
+                f"{arch} with mixture-of-experts layers is not supported yet: n_routed_experts={experts} and "
+                f"first_k_dense_replace={dense} < num_hidden_layers={layers} make layers {dense}..{layers - 1} "
+                "MoE; only checkpoints whose layers are all dense (first_k_dense_replace >= num_hidden_layers "
+                "or no n_routed_experts) export")
+        quant = cfg.get("quantization_config")
+        if quant and not cache_only:
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+            raise ManifestError(
+                f"{arch} checkpoint has quantization_config (quant_method {method!r}, e.g. DeepSeek's fp8 "
+                "block-scaled weights): only unquantized weights are read; dequantize to bf16/fp32 first")
+        if (cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias")) and not cache_only:
+            raise ManifestError(f"{arch}: only a SiLU MLP without biases is supported "
+                                f"(hidden_act={cfg.get('hidden_act')!r}, mlp_bias={cfg.get('mlp_bias')})")
+        rope = {**(cfg.get("rope_parameters") or {}), **(cfg.get("rope_scaling") or {})}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "yarn", None):
+            raise ManifestError(f"unsupported rope scaling {rope_type!r} for {arch}; default RoPE and yarn are supported")
+        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        yarn = None
+        if rope_type == "yarn":
+            keys = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                    "mscale_all_dim", "attention_factor", "truncate")
+            yarn = {k: rope[k] for k in keys if rope.get(k) is not None}
+            if "original_max_position_embeddings" not in yarn:
+                raise ManifestError(f"{arch}: yarn rope_scaling needs original_max_position_embeddings")
+            yarn.setdefault("factor", cfg["max_position_embeddings"] / yarn["original_max_position_embeddings"])
+        if arch == "DeepseekV2ForCausalLM":
+            interleave = "pairs"  # complex multiplication of consecutive pairs
+        else:
+            interleave = "pairs-to-halves" if cfg.get("rope_interleave", True) else "halves"
+        r, dr = int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"])
+        heads = int(cfg["num_attention_heads"])
+        return cls(
+            architecture=arch, num_layers=layers, hidden_size=int(cfg["hidden_size"]), num_heads=heads,
+            num_kv_heads=1, head_dim=r + dr, intermediate_size=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]), max_positions=int(cfg.get("max_position_embeddings", 2048)),
+            rope_theta=theta, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            attention_bias=bool(cfg.get("attention_bias")),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention="mla", kv_lora_rank=r,
+            q_lora_rank=int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None,
+            qk_nope_head_dim=int(cfg["qk_nope_head_dim"]), qk_rope_head_dim=dr,
+            v_head_dim=int(cfg["v_head_dim"]), rope_interleave=interleave, rope_scaling=yarn)
+
+
+def check_attention_dtype(spec: ModelSpec, dtype: str) -> None:
+    """MLA caches run fp32 and fp16 only (MLA_REFUSED_DTYPE says why)."""
+    if spec.attention == "mla" and dtype not in MLA_KV_DTYPES:
+        raise ManifestError(f"KV dtype {dtype} is not available for MLA ({spec.architecture}); it supports "
+                            f"{', '.join(MLA_KV_DTYPES)}: {MLA_REFUSED_DTYPE}")
+
 
 # ---------------------------------------------------------------- KV-cache arithmetic
 
 def kv_bytes_per_token(spec: ModelSpec, dtype: str) -> int:
-    """Bytes one token occupies in the cache: K and V, every layer and KV head (plus scales)."""
+    """Bytes one token occupies in the cache: K and V, every layer and KV head (plus scales);
+    for MLA one latent of kv_lora_rank + qk_rope_head_dim per layer (no factor 2: it is K and V)."""
     d = kv_dtype(dtype)
+    if spec.attention == "mla":
+        return spec.num_layers * (spec.kv_lora_rank + spec.qk_rope_head_dim) * d.bits // 8
     per_head = spec.head_dim * d.bits // 8 + (SCALE_BYTES if d.has_scale_tensors else 0)
     return 2 * spec.num_layers * spec.num_kv_heads * per_head
 
@@ -202,7 +322,9 @@ class TensorSpec:
     shape: tuple  # ints and symbolic dim names
 
 
-def kv_tensor_names(layer: int, prefix: str, quantized_scales: bool) -> list[str]:
+def kv_tensor_names(layer: int, prefix: str, quantized_scales: bool, attention: str = "mha") -> list[str]:
+    if attention == "mla":
+        return [f"{prefix}.{layer}.latent"]
     names = [f"{prefix}.{layer}.key", f"{prefix}.{layer}.value"]
     if quantized_scales:
         names += [f"{prefix}.{layer}.key_scale", f"{prefix}.{layer}.value_scale"]
@@ -218,8 +340,10 @@ def io_tensors(spec: ModelSpec, layout: str, dtype: str) -> tuple[list[TensorSpe
     write_positions[b] .. + seq, and attention reads write_positions[b] + seq entries.
     inplace logits cover only logit_positions [batch, kept] (indices into seq, gathered before the
     final norm and lm_head): generation passes each row's last real position, scoring every
-    position. concat returns every position, as Optimum's contract has it."""
+    position. concat returns every position, as Optimum's contract has it.
+    MLA: one tensor per layer, past_key_values.{i}.latent -> present.{i}.latent, [batch, 1, T, r + dr]."""
     check_layout_dtype(layout, dtype)
+    check_attention_dtype(spec, dtype)
     d = kv_dtype(dtype)
     kvh, hd = spec.num_kv_heads, d.stored_head_dim(spec.head_dim)
     if layout == "concat":
@@ -237,7 +361,7 @@ def io_tensors(spec: ModelSpec, layout: str, dtype: str) -> tuple[list[TensorSpe
     outputs = [TensorSpec("logits", "float32", ("batch", logit_rows, spec.vocab_size))]
     for i in range(spec.num_layers):
         for prefix, length, dest in ((past_prefix, past_len, inputs), (present_prefix, present_len, outputs)):
-            for name in kv_tensor_names(i, prefix, d.has_scale_tensors):
+            for name in kv_tensor_names(i, prefix, d.has_scale_tensors, spec.attention):
                 scale = name.endswith("_scale")
                 dest.append(TensorSpec(name, SCALE_STORAGE if scale else d.storage,
                                        ("batch", kvh, length, 1 if scale else hd)))
@@ -254,8 +378,8 @@ def kv_pairs(spec: ModelSpec, dtype: str) -> list[tuple[str, str]]:
     d = kv_dtype(dtype)
     pairs = []
     for i in range(spec.num_layers):
-        pairs += list(zip(kv_tensor_names(i, "past_key_values", d.has_scale_tensors),
-                          kv_tensor_names(i, "present", d.has_scale_tensors)))
+        pairs += list(zip(kv_tensor_names(i, "past_key_values", d.has_scale_tensors, spec.attention),
+                          kv_tensor_names(i, "present", d.has_scale_tensors, spec.attention)))
     return pairs
 
 
@@ -321,6 +445,7 @@ class Manifest:
 
     def __post_init__(self):
         check_layout_dtype(self.kv_layout, self.kv_dtype)
+        check_attention_dtype(self.model, self.kv_dtype)
         if not 0 < self.max_seq_len <= self.model.max_positions:
             raise ManifestError(
                 f"max_seq_len must be in 1..{self.model.max_positions} (the model's positions), "

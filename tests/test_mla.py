@@ -1,0 +1,341 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3, dense layers): tiny Hugging Face checkpoints with
+random weights, exported with a latent cache, checked against transformers and served in process."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from kvforge.manifest import (Manifest, ManifestError, ModelSpec, io_tensors, kv_block_spec, kv_bytes_per_token,
+                              kv_pairs)
+
+VOCAB = 512
+STEPS = 64  # greedy tokens checked per row
+# Dims that all differ (r != dn != dv != dr != q_lora_rank) so a mixed-up split cannot pass.
+COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=4,  # = heads: transformers' eager attention repeats K/V by heads // kv heads
+              vocab_size=VOCAB, max_position_embeddings=256, kv_lora_rank=32, qk_nope_head_dim=16,
+              qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=2,  # >= layers: every layer dense
+              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64, mscale=1.0, mscale_all_dim=0.707,
+            beta_fast=32, beta_slow=1)
+VARIANTS = {
+    # V3 as released: interleaved rope, a query LoRA, yarn with mscale_all_dim (softmax scale x mscale^2)
+    "v3-interleave-qlora-yarn": ("v3", dict(rope_interleave=True, q_lora_rank=24, rope_scaling=YARN)),
+    # V3 without interleave and with q_proj straight from the hidden state
+    "v3-halves-noqlora": ("v3", dict(rope_interleave=False, q_lora_rank=None)),
+    # V2: complex (pairwise) rope; attention biases on q_a/kv_a/o
+    "v2-pairs-bias": ("v2", dict(q_lora_rank=24, attention_bias=True)),
+}
+
+
+def hf_config(version: str, **overrides):
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    cls = DeepseekV3Config if version == "v3" else DeepseekV2Config
+    config = cls(**{**COMMON, **overrides})
+    config.architectures = [cls.__name__.replace("Config", "ForCausalLM")]
+    return config
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    """A small byte-level BPE (VOCAB tokens) trained in well under a second."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from export.presets import SPECIAL_TOKENS, stdlib_corpus, write_tokenizer
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(stdlib_corpus(64 << 10), trainer=trainer)
+    directory = tmp_path_factory.mktemp("mla-tokenizer")
+    write_tokenizer(tokenizer, directory)
+    return directory
+
+
+def save_checkpoint(directory, config, tokenizer_dir):
+    """A Hugging Face checkpoint directory (safetensors) with random weights large enough that
+    logits spread over a few units (the default 0.02 init makes near-ties of greedy tokens)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0, 0.1) if p.dim() == 1 and "norm" in name else p.normal_(0.0, 0.1)
+    model.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, directory / name)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, tokenizer_dir):
+    root = tmp_path_factory.mktemp("mla-checkpoints")
+    return {name: save_checkpoint(root / name, hf_config(version, **kw), tokenizer_dir)
+            for name, (version, kw) in VARIANTS.items()}
+
+
+@pytest.fixture(scope="module")
+def mla_exports(tmp_path_factory, checkpoints):
+    """mla_exports(variant, layout="inplace", dtype="fp32") -> export dir, made once."""
+    from export.__main__ import export
+
+    root = tmp_path_factory.mktemp("mla-exports")
+    made = {}
+
+    def make(variant, layout="inplace", dtype="fp32"):
+        key = (variant, layout, dtype)
+        if key not in made:
+            out = root / f"{variant}-{layout}-{dtype}"
+            export(str(checkpoints[variant]), out, layout, dtype, 160)
+            made[key] = out
+        return made[key]
+
+    return make
+
+
+# ---------------------------------------------------------------- the manifest contract
+
+
+def test_manifest_fields_and_latent_tensors(mla_exports):
+    directory = mla_exports("v3-interleave-qlora-yarn")
+    manifest = Manifest.load(directory)
+    spec = manifest.model
+    assert (spec.attention, spec.kv_lora_rank, spec.q_lora_rank, spec.qk_nope_head_dim, spec.qk_rope_head_dim,
+            spec.v_head_dim) == ("mla", 32, 24, 16, 8, 12)
+    assert spec.rope_interleave == "pairs-to-halves" and spec.rope_scaling["factor"] == 4.0
+    assert (spec.num_kv_heads, spec.head_dim) == (1, 32 + 8)  # one latent "head" of r + dr, not config's head_dim
+    assert manifest.kv_bytes_per_token == 2 * (32 + 8) * 4  # layers x (r + dr) x 4 bytes: no factor 2
+    assert kv_pairs(spec, "fp32") == [("past_key_values.0.latent", "present.0.latent"),
+                                      ("past_key_values.1.latent", "present.1.latent")]
+    block = kv_block_spec(manifest)
+    assert block.names == ("past_key_values.0.latent", "past_key_values.1.latent")
+    assert block.block_shape("past_key_values.0.latent") == (1, 16, 40)
+    assert block.bytes_per_block == 16 * manifest.kv_bytes_per_token
+    data = json.loads((directory / "manifest.json").read_text())
+    assert data["model"]["attention"] == "mla" and data["kv"]["bytes_per_token"] == 320
+    assert Manifest.load(directory) == manifest  # round trip
+    model = onnx.load(str(directory / "model.onnx"))
+    inputs = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    assert inputs["past_key_values.0.latent"] == ["batch", 1, "capacity", 40]
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("TensorScatter") == 2 and ops.count("Attention") == 2  # one latent per layer
+    assert {n.domain for n in model.graph.node} <= {"", "ai.onnx"}  # only standard ops, no contrib kernels
+    assert all(o.domain in ("", "ai.onnx") for o in model.opset_import)
+
+
+def test_older_manifests_read_as_mha():
+    """The MLA fields were added with defaults, so a format-2 manifest without them means the same."""
+    from export.presets import hf_config as preset_config
+
+    spec = ModelSpec.from_hf_config(preset_config("tiny-llama"))
+    old = {k: v for k, v in spec.__dict__.items() if k in list(ModelSpec.__dataclass_fields__)[:13]}
+    assert ModelSpec(**old) == spec and spec.attention == "mha"
+    assert kv_bytes_per_token(spec, "fp32") == 2 * 2 * 2 * 32 * 4
+
+
+# ---------------------------------------------------------------- parity with transformers
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_inplace_export_matches_transformers(mla_exports, variant):
+    """fp32: logits within 1e-4 of transformers at every prefill position of three rows of
+    different lengths and at each of 64 greedy steps (each checked against a full recompute,
+    so the greedy generations are identical)."""
+    from export.verify import verify
+
+    report = verify(mla_exports(variant), steps=STEPS)
+    assert report.max_abs_diff <= 1e-4 and report.greedy_agreement == 1.0, report
+
+
+def test_concat_export_matches_transformers(mla_exports):
+    from export.verify import verify
+
+    report = verify(mla_exports("v3-interleave-qlora-yarn", "concat"), steps=STEPS)
+    assert report.max_abs_diff <= 1e-4 and report.greedy_agreement == 1.0, report
+
+
+def test_fp16_latent_cache(mla_exports):
+    from export.verify import verify
+
+    directory = mla_exports("v3-halves-noqlora", dtype="fp16")
+    assert Manifest.load(directory).kv_bytes_per_token == 2 * 40 * 2
+    report = verify(directory, steps=16)
+    assert report.passed and 0 < report.max_abs_diff <= 2e-2, report
+
+
+@pytest.mark.parametrize("variant", ["v3-interleave-qlora-yarn", "v2-pairs-bias"])
+def test_latent_cache_equals_transformers_cache(mla_exports, checkpoints, variant):
+    """After a prefill the runner's latent is cat(keys, values) of transformers' cache, layer by layer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from runtime.runners import open_runner
+
+    prompt = np.random.default_rng(1).integers(3, VOCAB, 21)
+    runner = open_runner(mla_exports(variant))
+    runner.allocate(1, 64)
+    runner.step(prompt[None], np.array([0]), np.array([len(prompt)]))
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints[variant], dtype=torch.float32).eval()
+    with torch.no_grad():
+        cache = hf(torch.tensor(prompt[None]), use_cache=True).past_key_values
+    for i, layer in enumerate(cache.layers):
+        expected = torch.cat([layer.keys, layer.values], dim=-1)[0].numpy()  # [1, T, r + dr]
+        got = runner.kv_arrays[f"past_key_values.{i}.latent"][0, :, :len(prompt)]
+        assert got.shape == expected.shape == (1, 21, 40)
+        np.testing.assert_allclose(got, expected, atol=2e-5, rtol=0)
+        assert not runner.kv_arrays[f"past_key_values.{i}.latent"][0, :, len(prompt):].any()
+
+
+# ---------------------------------------------------------------- serving in process
+
+
+def _prompts():
+    rng = np.random.default_rng(2)
+    return [rng.integers(3, VOCAB, n).tolist() for n in (37, 5, 19, 50)]
+
+
+def test_continuous_batching_equals_solo(mla_exports):
+    """Rows of an LLMEngine (chunked prefill, joins, leaves, moves, capacity buckets) generate
+    what each prompt generates alone on the runner."""
+    from runtime.greedy import greedy_tokens
+    from runtime.llm_engine import LLMEngine, SamplingParams
+    from runtime.runners import open_runner
+
+    directory = mla_exports("v3-interleave-qlora-yarn")
+    prompts, max_tokens = _prompts(), [30, 12, 24, 40]
+    with LLMEngine(directory, slots=3, prefill_tokens=32, threads=1) as engine:
+        results = engine.generate(prompts, [SamplingParams(max_tokens=n) for n in max_tokens])
+        stats = engine.stats()
+    assert stats["multi_row_steps"] > 5 and stats["max_rows"] == 3
+    runner = open_runner(directory, threads=1)
+    for prompt, n, result in zip(prompts, max_tokens, results):
+        assert result.token_ids == greedy_tokens(runner, prompt, n, {2})  # 2: the EOS
+
+
+def test_prefix_cache_hit_equals_miss_disk_tier_and_swap(mla_exports, tmp_path):
+    """The block spec, the host pool, the disk tier and the copies are the ones of key/value
+    caches: a hit (from RAM, or from disk after a restart) changes nothing, and a row swapped out
+    and back decodes on as before."""
+    from runtime.kv.manager import HostBlockPool, KVManager
+    from runtime.llm_engine import LLMEngine, SamplingParams
+    from runtime.runners import open_runner
+    from runtime.sequence import Sequence
+
+    from kvforge.manifest import cache_namespace
+
+    directory = mla_exports("v2-pairs-bias")
+    document = np.random.default_rng(3).integers(3, VOCAB, 70).tolist()
+    prompt = document + [7, 8, 9]
+    params = SamplingParams(max_tokens=24)
+    with LLMEngine(directory, prefix_cache=False, threads=1) as engine:
+        expected = engine.generate([prompt], params)[0]
+    with LLMEngine(directory, threads=1) as engine:
+        cold = engine.generate([prompt], params)[0]
+        warm = engine.generate([prompt], params)[0]
+    assert (cold.cached_tokens, warm.cached_tokens) == (0, 64)
+    assert cold.token_ids == warm.token_ids == expected.token_ids
+    runs = []
+    for _ in range(2):  # the second engine starts with an empty RAM pool and reads the disk
+        with LLMEngine(directory, threads=1, kv_disk_dir=tmp_path) as engine:
+            runs.append(engine.generate([prompt], params)[0])
+            disk = engine.stats()["tiers"]["disk"]
+    assert [r.cached_tokens for r in runs] == [0, 64]
+    assert disk["hit_blocks"] == 4 and disk["read_bytes"] > 0
+    assert all(r.token_ids == expected.token_ids for r in runs)
+
+    runner = open_runner(directory, threads=1)
+    pool = HostBlockPool(runner.block, 8 * runner.block.bytes_per_block)
+    kv = KVManager(runner, slots=2, kv_cache_bytes=1 << 30, pool=pool, namespace=cache_namespace(runner.manifest))
+    seq = Sequence(1, document, params, print, None, frozenset())
+    kv.make_room(1)
+    kv.fit_capacity(len(document) + 16, 1)
+    logits = runner.step(np.array([document]), np.array([0]), np.array([len(document)]))[0, -1]
+    seq.num_cached = len(document)
+    tokens = [int(logits.argmax())]
+    blocks = kv.swap_out(seq, 0)
+    assert len(blocks) == 5 and pool.bytes_used == 5 * runner.block.bytes_per_block
+    runner.step(np.array([prompt]), np.array([0]), np.array([len(prompt)]))  # clobbers row 0
+    kv.swap_in(seq, 0, blocks, 1)
+    for i in range(8):
+        logits = runner.step(np.array([[tokens[-1]]]), np.array([len(document) + i]), np.array([1]))[0, 0]
+        tokens.append(int(logits.argmax()))
+    from runtime.greedy import greedy_tokens
+
+    assert tokens == greedy_tokens(open_runner(directory, threads=1), document, 9)
+
+
+# ---------------------------------------------------------------- refusals and sizes
+
+
+def _config_dict(version="v3", **overrides):
+    config = hf_config(version, **overrides).to_dict()
+    return config
+
+
+def test_moe_fp8_and_quantized_kv_are_refused(tmp_path, checkpoints):
+    with pytest.raises(ManifestError, match="first_k_dense_replace=1 < num_hidden_layers=2.*n_routed_experts|"
+                                            "n_routed_experts=.*first_k_dense_replace=1"):
+        ModelSpec.from_hf_config(_config_dict(first_k_dense_replace=1))
+    assert ModelSpec.from_hf_config({**_config_dict(first_k_dense_replace=1), "n_routed_experts": None}).attention == "mla"
+    moe = ModelSpec.from_hf_config(_config_dict(first_k_dense_replace=0), cache_only=True)  # kv_size reads MoE configs
+    assert kv_bytes_per_token(moe, "fp32") == 2 * 40 * 4
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    with pytest.raises(ManifestError, match="quantization_config.*fp8"):
+        ModelSpec.from_hf_config({**_config_dict(), "quantization_config": fp8})
+    spec = ModelSpec.from_hf_config(_config_dict())
+    for dtype in ("int8", "int8-static", "int4", "fp8"):
+        with pytest.raises(ManifestError, match=f"KV dtype {dtype} is not available for MLA"):
+            io_tensors(spec, "inplace", dtype)
+    from tests.conftest import run_cli
+
+    result = run_cli("export", "--model", str(checkpoints["v3-halves-noqlora"]), "--out", str(tmp_path / "o"),
+                     "--kv-dtype", "int8")
+    assert result.returncode == 2 and "not available for MLA" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_tensorrt_is_refused_for_mla(mla_exports):
+    from engines.__main__ import choose_backend
+
+    directory = mla_exports("v3-halves-noqlora")
+    manifest = Manifest.load(directory)
+    with pytest.raises(ManifestError, match="TensorRT is not built for MLA"):
+        choose_backend("tensorrt", manifest, directory)
+    assert choose_backend("auto", manifest, directory) == "onnxruntime"
+
+
+DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 7168, "num_hidden_layers": 61,
+               "num_attention_heads": 128, "num_key_value_heads": 128, "head_dim": 64, "intermediate_size": 18432,
+               "vocab_size": 129280, "max_position_embeddings": 163840, "kv_lora_rank": 512, "q_lora_rank": 1536,
+               "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "rope_interleave": True,
+               "first_k_dense_replace": 3, "n_routed_experts": 256,
+               "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}
+
+
+def test_kv_size_shows_mla_beside_mha_and_gqa(tmp_path):
+    """DeepSeek-V3's real dims (its MoE does not matter to the cache size: kv_size reads the
+    attention only)."""
+    from tests.conftest import run_cli
+
+    (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V3))
+    result = run_cli("export.kv_size", "--model", str(tmp_path), "--context", "4096", "--kv-dtype", "fp16",
+                     "--json")
+    assert result.returncode == 0, result.stderr
+    rows = {row["attention"]: row for row in json.loads(result.stdout)["rows"]}
+    assert rows["mla"]["bytes_per_token"] == 61 * (512 + 64) * 2 == 70272
+    assert rows["mha"]["bytes_per_token"] == 61 * 128 * (192 + 128) * 2  # the decompressed K and V
+    assert rows["gqa-8"]["bytes_per_token"] == 2 * 61 * 8 * 128 * 2
+    table = run_cli("export.kv_size", "--model", str(tmp_path), "--context", "4096")
+    assert table.returncode == 0, table.stderr
+    assert "mla" in table.stdout and "gqa-8" in table.stdout and "int8" not in table.stdout
