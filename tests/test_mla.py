@@ -257,7 +257,6 @@ def test_prefix_cache_hit_equals_miss_disk_tier_and_swap(mla_exports, tmp_path):
     pool = HostBlockPool(runner.block, 8 * runner.block.bytes_per_block)
     kv = KVManager(runner, slots=2, kv_cache_bytes=1 << 30, pool=pool, namespace=cache_namespace(runner.manifest))
     seq = Sequence(1, document, params, print, None, frozenset())
-    kv.make_room(1)
     kv.fit_capacity(len(document) + 16, 1)
     logits = runner.step(np.array([document]), np.array([0]), np.array([len(document)]))[0, -1]
     seq.num_cached = len(document)
