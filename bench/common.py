@@ -361,7 +361,9 @@ NOT_EVALUATED = None
 
 
 def target(name: str, required: str, measured: str, met: bool | None, detail: str) -> dict:
-    return {"target": name, "required": required, "measured": measured, "met": met, "detail": detail}
+    # met may come from a numpy comparison: JSON must say true / false, not 1.0
+    return {"target": name, "required": required, "measured": measured, "met": None if met is None else bool(met),
+            "detail": detail}
 
 
 def skipped(name: str, required: str, why: str) -> dict:

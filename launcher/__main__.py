@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import tempfile
+import urllib.parse
 from pathlib import Path
 
 import uvloop
@@ -30,6 +32,10 @@ from launcher.keys import DEFAULT_KEY_FILE, control_key
 from launcher.supervisor import DRAIN_SECONDS, Supervisor
 from launcher.tritonserver import CONTROL_KEY_HEADER, READY_TIMEOUT, ServerError, TritonProcess, free_ports, \
     port_in_use, server_env
+
+
+# the query options a KV Redis URL may carry (value sets; empty: any value, e.g. a CA file's path)
+TLS_OPTIONS = {"ssl_cert_reqs": ("none", "optional", "required"), "ssl_ca_certs": ()}
 
 
 class ConfigError(ValueError):
@@ -79,17 +85,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def redis_url_error(url: str) -> str | None:
-    """What is wrong with a KV Redis URL (never repeating it: it may hold a password), or None."""
-    import redis.connection
-
-    if not url.startswith(("redis://", "rediss://")):
+    """What is wrong with a KV Redis URL, or None. Never quotes the URL or a parser's message
+    about it: either may hold the password."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("redis", "rediss"):
         return "must start with redis:// or rediss://"
     try:
-        parsed = redis.connection.parse_url(url)
-    except ValueError as e:
-        return str(e).replace(url, "...")
-    if not parsed.get("host"):
+        parts.port
+    except ValueError:
+        return "has a port that is not a number (an '@' missing after the password?)"
+    if not parts.hostname:
         return "names no host"
+    if not re.fullmatch(r"/?|/\d+", parts.path):
+        return "must name its database as one whole number (/0), or none"
+    for key, values in urllib.parse.parse_qs(parts.query, keep_blank_values=True).items():
+        if key not in TLS_OPTIONS or any(v not in TLS_OPTIONS[key] for v in values) and TLS_OPTIONS[key]:
+            return f"has the query option {key!r} with a value kvforge does not take (only {', '.join(TLS_OPTIONS)})"
     return None
 
 

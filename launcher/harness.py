@@ -1,4 +1,5 @@
-"""The launcher as a child process (its own session), for tests and benchmarks.
+"""The launcher as a child process (its own session), for tests and benchmarks. It dies with the
+thread that started it (PR_SET_PDEATHSIG), so a killed test run leaves no server behind.
 
     with TritonServer(Path("model_repository"), http_port=8000) as server:
         ...  # server.http_url (the front), server.grpc_url, server.metrics_url, server.control_key
@@ -18,7 +19,22 @@ from kvforge import env
 from launcher.supervisor import DRAIN_SECONDS
 from launcher.tritonserver import LOG_TAIL_LINES, READY_TIMEOUT, STOP_TIMEOUT, free_ports, http_ready, wait_ready
 
-__all__ = ["TritonServer", "free_ports"]
+__all__ = ["TritonServer", "dying_with_parent", "free_ports"]
+
+# Run as `python -S -c _DIE_WITH_PARENT PARENT_PID COMMAND...`: PR_SET_PDEATHSIG (1), then exec
+# COMMAND (the setting survives exec). A wrapper rather than a preexec_fn: that would make
+# subprocess fork the whole (big) test process instead of spawning, and fork can fail for memory.
+_DIE_WITH_PARENT = ("import ctypes, os, signal, sys\n"
+                    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)\n"
+                    "if os.getppid() != int(sys.argv[1]):\n"
+                    "    sys.exit('the starting process is gone')\n"
+                    "os.execvp(sys.argv[2], sys.argv[2:])\n")
+
+
+def dying_with_parent(command: list[str]) -> list[str]:
+    """COMMAND, SIGKILLed when the thread that starts it goes away (a killed test run leaves
+    nothing behind; only the thread that started it may own it)."""
+    return [sys.executable, "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]
 
 
 class TritonServer:
@@ -71,8 +87,9 @@ class TritonServer:
                "--log-dir", str(self.log_dir),
                *(["--openai-port", str(self.openai_port)] if self.openai_port else []), *self.extra_args]
         with open(self.launcher_log, "ab") as log:
-            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                            cwd=Path(__file__).resolve().parents[1],
+            # SIGKILLed when the starting thread goes (its tritonserver follows: PDEATHSIG there too)
+            self.process = subprocess.Popen(dying_with_parent(cmd), stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True, cwd=Path(__file__).resolve().parents[1],
                                             env={**os.environ, env.CONTROL_KEY: self.control_key})
         try:
             self.wait_ready(self.ready_timeout)

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from kvforge.cli import fail_cleanly
+from launcher.harness import dying_with_parent
 from launcher.redis_server import redis_server_binary
 from launcher.tritonserver import port_in_use
 
@@ -80,7 +81,7 @@ class RedisCluster:
             for port in self.ports:
                 directory = Path(self._dir.name) / str(port)
                 directory.mkdir()
-                self.processes[port] = subprocess.Popen(node_command(port, directory, self.maxmemory),
+                self.processes[port] = subprocess.Popen(dying_with_parent(node_command(port, directory, self.maxmemory)),
                                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for port in self.ports:
                 self._wait(lambda: redis.Redis(port=port, socket_timeout=1).ping(), f"node {port} to answer")

@@ -3,6 +3,9 @@
 
     python -m launcher.redis_server --port 6379 --maxmemory 1gb     # `make redis`: foreground
     with RedisServer(port) as server: ...                          # tests: server.url, server.kill()
+
+A RedisServer dies with the thread that started it (PR_SET_PDEATHSIG): a killed test run leaves
+no redis-server behind.
 """
 from __future__ import annotations
 
@@ -45,7 +48,10 @@ class RedisServer:
         command = redis_command(self.port, maxmemory=self.maxmemory)
         if self.password:  # by stdin-less argument: only tests pass one here
             command += ["--requirepass", self.password]
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        from launcher.harness import dying_with_parent
+
+        self.process = subprocess.Popen(dying_with_parent(command), stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL)
         client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
         deadline = time.monotonic() + READY_TIMEOUT
         while True:

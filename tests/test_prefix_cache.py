@@ -18,9 +18,8 @@ from runtime.sequence import Sequence
 from tests.test_runtime import reference_greedy
 
 BLOCK = 16
-RNG = np.random.default_rng(0)
-DOCUMENT = RNG.integers(3, 4000, 150).tolist()  # 9 full blocks and a partial one
-QUESTIONS = [RNG.integers(3, 4000, n).tolist() for n in (5, 21, 40, 3, 17, 30, 9, 12)]
+DOCUMENT = np.random.default_rng(0).integers(3, 4000, 150).tolist()  # 9 full blocks and a partial one
+QUESTIONS = [np.random.default_rng(1 + i).integers(3, 4000, n).tolist() for i, n in enumerate((5, 21, 40, 3, 17, 30, 9, 12))]
 
 
 @pytest.fixture(scope="module")
@@ -143,30 +142,28 @@ def test_partial_hits_and_a_strict_prefix_prompt(fp32):
 
 
 def test_eight_requests_sharing_a_prefix_joining_at_different_times(fp32):
+    """Each request joins at its predecessor's 3rd token (submitted from the engine thread, so at
+    that step whatever the machine's speed): with 64-token chunks, mid-prefill or mid-decode."""
     prompts = [DOCUMENT + q for q in QUESTIONS]
     with LLMEngine(fp32, prefix_cache=False) as engine:
         alone = [engine.generate([p], greedy(40))[0].token_ids for p in prompts]
     with LLMEngine(fp32, slots=8, prefill_tokens=64) as engine:
         results: dict[int, list[int]] = {}
         cached: dict[int, int] = {}
-        progress = [threading.Event() for _ in prompts]
         done = threading.Semaphore(0)
 
         def collect(i):
             def on_output(out):
-                results.setdefault(i, []).extend(out.token_ids)
-                if len(results[i]) >= 3:
-                    progress[i].set()
+                had = len(results.setdefault(i, []))
+                results[i].extend(out.token_ids)
+                if had < 3 <= len(results[i]) and i + 1 < len(prompts):  # the next one joins now
+                    engine.submit(prompts[i + 1], greedy(40), collect(i + 1))
                 if out.finished:
                     cached[i] = out.cached_tokens
-                    progress[i].set()
                     done.release()
             return on_output
 
-        for i, prompt in enumerate(prompts):
-            if i:  # the next one joins once the previous has a few tokens: mid-prefill or mid-decode
-                assert progress[i - 1].wait(60)
-            engine.submit(prompt, greedy(40), collect(i))
+        engine.submit(prompts[0], greedy(40), collect(0))
         for _ in prompts:
             assert done.acquire(timeout=120)
         stats = engine.stats()
@@ -192,7 +189,7 @@ def test_a_burst_with_one_prefix_computes_it_once(fp32):
 
 def test_eviction_under_a_tiny_pool_never_corrupts(fp32):
     spec = kv_block_spec(Manifest.load(fp32))
-    prompts = [RNG.integers(3, 4000, 120).tolist() for _ in range(6)]
+    prompts = [np.random.default_rng(20 + i).integers(3, 4000, 120).tolist() for i in range(6)]
     eos = set()
     with LLMEngine(fp32, slots=3, kv_host_bytes=5 * spec.bytes_per_block) as engine:
         eos = set(engine.tokenizer.eos_token_ids)
@@ -322,14 +319,16 @@ def post_generate(server, **inputs) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-def test_triton_reports_cached_tokens_salts_and_clears_behind_the_key(server):
+def test_triton_reports_cached_tokens_salts_and_clears_behind_the_key(server, fp32):
+    from runtime.tokenizer import Tokenizer
     from tests.test_serving import metrics
 
     prompt = "def fibonacci(n):\n" + "    total += n * n\n" * 12
+    full = (len(Tokenizer(fp32, Manifest.load(fp32)).encode(prompt)) - 1) // BLOCK * BLOCK
     first = post_generate(server, text_input=prompt, max_tokens=16)[1]
     second = post_generate(server, text_input=prompt, max_tokens=16)[1]
     salted = post_generate(server, text_input=prompt, max_tokens=16, cache_salt="tenant-a")[1]
-    assert first["cached_tokens"] == 0 and second["cached_tokens"] >= 64 and salted["cached_tokens"] == 0
+    assert full >= 64 and first["cached_tokens"] == 0 and second["cached_tokens"] == full and salted["cached_tokens"] == 0
     assert second["text_output"] == first["text_output"] == salted["text_output"]
 
     status, body = post_generate(server, text_input="", max_tokens=1, clear_prefix_cache=True)
@@ -342,13 +341,14 @@ def test_triton_reports_cached_tokens_salts_and_clears_behind_the_key(server):
     assert status == 200 and re.fullmatch(r"cleared [1-9]\d* prefix cache blocks", body["text_output"])
     assert post_generate(server, text_input=prompt, max_tokens=4)[1]["cached_tokens"] == 0
 
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 120  # a bound on what must happen, not a speed
     while True:  # the model publishes its metrics every 0.1 s
         m = metrics(server)
         settled = (m.get("kvforge_prefix_cache_hit_tokens_total", 0) >= 2 * second["cached_tokens"]
                    and m.get("kvforge_kv_host_pool_bytes", 0) > 0)  # the blocks stored after the clear
-        if settled or time.monotonic() > deadline:
+        if settled:
             break
+        assert time.monotonic() < deadline, f"the metrics never showed the hits: {m}"
         time.sleep(0.1)
     assert m["kvforge_prefix_cache_hit_tokens_total"] == second["cached_tokens"] * 2
     assert m["kvforge_prefix_cache_queried_tokens_total"] > m["kvforge_prefix_cache_hit_tokens_total"]

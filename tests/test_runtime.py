@@ -1,4 +1,8 @@
-"""The in-process generation runtime (LLMEngine) on a real tiny export and ONNX Runtime."""
+"""The in-process generation runtime (LLMEngine) on a real tiny export and ONNX Runtime.
+
+on_output runs on the engine thread, between steps: a test that needs something to happen at
+a given point of a generation does it there (submit, cancel, or hold the engine), never by
+racing the engine from the test's thread."""
 from __future__ import annotations
 
 import math
@@ -7,7 +11,7 @@ import threading
 import pytest
 
 from runtime.greedy import greedy_tokens
-from kvforge.errors import QueueFullError, RequestError
+from kvforge.errors import EngineError, QueueFullError, RequestError
 from runtime.llm_engine import LLMEngine, SamplingParams
 from runtime.runners import open_runner
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -28,7 +32,7 @@ def reference_greedy(engine_dir, prompt_ids: list[int], max_tokens: int, eos: se
 
 
 def wait_for(event: threading.Event, what: str) -> None:
-    assert event.wait(30), f"timed out waiting for {what}"
+    assert event.wait(120), f"timed out waiting for {what}"
 
 
 def test_greedy_batched_equals_unbatched_reference(engine_dir):
@@ -53,28 +57,38 @@ def test_greedy_batched_equals_unbatched_reference(engine_dir):
 
 def test_requests_join_and_leave_the_running_batch(engine_dir):
     with LLMEngine(engine_dir, slots=4) as engine:
-        alone = {p: r.token_ids for p, r in zip(PROMPTS[:3], engine.generate(PROMPTS[:3], SamplingParams(max_tokens=8)))}
-        long_started, short_done, long_done = threading.Event(), threading.Event(), threading.Event()
+        short = SamplingParams(max_tokens=8)
+        alone = {p: r.token_ids for p, r in zip(PROMPTS[:3], engine.generate(PROMPTS[:3], short))}
+        long_done, shorts_done = threading.Event(), threading.Semaphore(0)
         long_tokens: list[int] = []
-        tokens_when_short_done: list[int] = []
+        joined: dict[str, list[int]] = {p: [] for p in PROMPTS[:3]}
+        long_tokens_when_short_done: list[int] = []
+
+        def on_short(prompt):
+            def on_output(out):
+                joined[prompt] += out.token_ids
+                if out.finished:
+                    long_tokens_when_short_done.append(len(long_tokens))
+                    shorts_done.release()
+            return on_output
 
         def on_long(out):
+            if not long_tokens:  # its first token: the short ones join while it decodes
+                for prompt in PROMPTS[:3]:
+                    engine.submit(prompt, short, on_short(prompt))
             long_tokens.extend(out.token_ids)
-            long_started.set()
             if out.finished:
                 long_done.set()
 
         engine.submit(PROMPTS[5], SamplingParams(max_tokens=200), on_long)
-        wait_for(long_started, "the long request's first token")
-        joined = engine.generate(PROMPTS[:3], SamplingParams(max_tokens=8))  # join while it decodes
-        tokens_when_short_done.append(len(long_tokens))
-        short_done.set()
         wait_for(long_done, "the long request")
+        for _ in PROMPTS[:3]:
+            assert shorts_done.acquire(timeout=120)
         stats = engine.stats()
-    assert [r.token_ids for r in joined] == [alone[p] for p in PROMPTS[:3]]
+    assert joined == alone
     assert long_tokens == reference_greedy(engine_dir, engine.tokenizer.encode(PROMPTS[5]), 200,
                                            set(engine.tokenizer.eos_token_ids))
-    assert tokens_when_short_done[0] < len(long_tokens)  # they finished while it was still running
+    assert len(long_tokens) == 200 and max(long_tokens_when_short_done) < 200  # they left while it ran on
     assert stats["max_rows"] == 4
 
 
@@ -109,14 +123,43 @@ def test_admission_waits_for_slots_and_kv_blocks(engine_dir):
 
 def test_queue_full_is_a_clear_error(engine_dir):
     with LLMEngine(engine_dir, slots=1, max_waiting=2) as engine:
-        running = threading.Event()
-        first = engine.submit("x", SamplingParams(max_tokens=400), lambda out: running.set())
-        wait_for(running, "the first request to run")
-        queued = [engine.submit("y", SamplingParams(max_tokens=400)) for _ in range(2)]
-        with pytest.raises(QueueFullError, match="waiting queue is full"):
-            engine.submit("z", SamplingParams(max_tokens=4))
-        for request_id in [first, *queued]:
-            assert engine.cancel(request_id)
+        running, release = threading.Event(), threading.Event()
+
+        def hold(out):  # the engine waits here (between steps) until the test has filled the queue
+            running.set()
+            release.wait(120)
+
+        try:
+            first = engine.submit("x", SamplingParams(max_tokens=400), hold)
+            wait_for(running, "the first request to run")
+            queued = [engine.submit("y", SamplingParams(max_tokens=400)) for _ in range(2)]
+            with pytest.raises(QueueFullError, match="waiting queue is full"):
+                engine.submit("z", SamplingParams(max_tokens=4))
+            for request_id in [first, *queued]:
+                assert engine.cancel(request_id)
+        finally:
+            release.set()
+
+
+def test_generate_and_close_wait_a_bounded_time(engine_dir):
+    engine = LLMEngine(engine_dir)
+    holding, release = threading.Event(), threading.Event()
+
+    def hold(out):  # a stuck on_output: the engine thread cannot go on
+        holding.set()
+        release.wait(120)
+
+    try:
+        engine.submit("x", SamplingParams(max_tokens=4), hold)
+        wait_for(holding, "the engine to be held")
+        with pytest.raises(TimeoutError, match=r"did not finish within 0.2 s; its 1 unfinished request\(s\) were "
+                                               "cancelled"):
+            engine.generate(["y"], SamplingParams(max_tokens=4), timeout=0.2)  # nothing can run meanwhile
+        with pytest.raises(EngineError, match="did not stop within 0.2 s of close"):
+            engine.close(timeout=0.2)
+    finally:
+        release.set()
+    engine.close()  # the thread was let go: now it stops
 
 
 def test_seeded_sampling_is_reproducible(engine_dir):
@@ -166,17 +209,25 @@ def test_cancellation_frees_the_slot(engine_dir):
                 finals.append(out)
                 ended.set()
 
-        running = engine.submit(PROMPTS[0], SamplingParams(max_tokens=400), on_output)
-        waiting = engine.submit(PROMPTS[1], SamplingParams(max_tokens=400), on_output)
+        ids = {}
+
+        def on_running(out):  # its first token: both are cancelled, from the engine thread
+            if not started.is_set():
+                ids["cancelled"] = engine.cancel(ids["waiting"]) and engine.cancel(ids["running"])
+            on_output(out)
+
+        with engine._cond:  # both reach the scheduler before it runs a step
+            ids["running"] = running = engine.submit(PROMPTS[0], SamplingParams(max_tokens=400), on_running)
+            ids["waiting"] = engine.submit(PROMPTS[1], SamplingParams(max_tokens=400), on_output)
         wait_for(started, "the first token")
-        assert engine.cancel(waiting) and engine.cancel(running)
         wait_for(ended, "the cancellation")
+        assert ids["cancelled"]
         assert engine.generate([PROMPTS[2]], SamplingParams(max_tokens=4))[0].finish_reason == "length"
         stats = engine.stats()
     assert [f.finish_reason for f in finals] == ["cancelled", "cancelled"]
     assert stats["cancelled"] == 2 and stats["running"] == 0
     assert stats["kv_bytes_allocated"] == 64 * Manifest.load(engine_dir).kv_bytes_per_token
-    assert stats["generated_tokens"] < 400
+    assert stats["generated_tokens"] == 1 + 4  # its first token, then the later request's 4
     assert not engine.cancel(running)  # no longer live
 
 
