@@ -72,3 +72,19 @@ def patient(monkeypatch):
     monkeypatch.setattr(scheduler, "LOAD_DEADLINE_UNMEASURED", PATIENCE)
     monkeypatch.setattr(tier_base, "INITIAL_BANDWIDTH", {"disk": math.inf, "redis": math.inf})
     monkeypatch.setattr(redis_tier, "REDIS_TIMEOUT_SECONDS", PATIENCE)
+
+
+@pytest.fixture(scope="session")
+def fp32(exports):
+    """The tiny preset's in-place fp32 export."""
+    return exports()
+
+
+@pytest.fixture(scope="session")
+def codec(fp32):
+    """The block codec of that export's KV cache."""
+    from kvforge.manifest import Manifest, cache_namespace, kv_block_spec
+    from runtime.kv.tiers.codec import BlockCodec
+
+    manifest = Manifest.load(fp32)
+    return BlockCodec(kv_block_spec(manifest), cache_namespace(manifest))

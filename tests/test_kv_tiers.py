@@ -54,17 +54,6 @@ STORED_BLOCKS = (len(PROMPT) + GREEDY.max_tokens - 1) // BLOCK  # the last token
 POLL_TIMEOUT = 120.0  # a bound on waits for what must happen; reaching it means it did not
 
 
-@pytest.fixture(scope="module")
-def fp32(exports):
-    return exports()
-
-
-@pytest.fixture(scope="module")
-def codec(fp32):
-    manifest = Manifest.load(fp32)
-    return BlockCodec(kv_block_spec(manifest), cache_namespace(manifest))
-
-
 @pytest.fixture
 def redis_server():
     with RedisServer(free_ports(1)[0]) as server:

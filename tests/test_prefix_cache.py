@@ -22,11 +22,6 @@ DOCUMENT = np.random.default_rng(0).integers(3, 4000, 150).tolist()  # 9 full bl
 QUESTIONS = [np.random.default_rng(1 + i).integers(3, 4000, n).tolist() for i, n in enumerate((5, 21, 40, 3, 17, 30, 9, 12))]
 
 
-@pytest.fixture(scope="module")
-def fp32(exports):
-    return exports()
-
-
 def greedy(max_tokens=64, **kw):
     return SamplingParams(max_tokens=max_tokens, **kw)
 

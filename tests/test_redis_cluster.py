@@ -10,12 +10,9 @@ import socket
 import time
 
 import numpy as np
-import pytest
 
 from kvforge.block_hash import PLACEMENT_BLOCKS, block_hash, placement_tags, root_hash
-from kvforge.manifest import Manifest, cache_namespace, kv_block_spec
 from launcher.redis_cluster import BUS_OFFSET, RedisCluster
-from runtime.kv.tiers.codec import BlockCodec
 from runtime.kv.tiers.redis import RedisTier
 from runtime.llm_engine import LLMEngine, SamplingParams
 from tests.test_kv_tiers import wait_written
@@ -47,17 +44,6 @@ def wait_for(condition, what):
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
-
-
-@pytest.fixture(scope="module")
-def fp32(exports):
-    return exports()
-
-
-@pytest.fixture(scope="module")
-def codec(fp32):
-    manifest = Manifest.load(fp32)
-    return BlockCodec(kv_block_spec(manifest), cache_namespace(manifest))
 
 
 def block(codec, seed):
