@@ -18,7 +18,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 import urllib.request
 
 import numpy as np
@@ -36,6 +35,7 @@ from runtime.llm_engine import LLMEngine, SamplingParams
 from launcher.redis_server import RedisServer
 from launcher.harness import free_ports
 from tests.conftest import PATIENCE
+from tests.waiting import wait_for, wait_written
 
 BLOCK = 16
 
@@ -100,12 +100,6 @@ def disk_file(root, codec, h):
     return root / codec.namespace.hex()[:32] / (h.hex() + SUFFIX)
 
 
-def wait_for(condition, what):
-    deadline = time.monotonic() + POLL_TIMEOUT
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
 
 def run(engine, prompt):
     return engine.generate([prompt], GREEDY)[0]
@@ -113,12 +107,6 @@ def run(engine, prompt):
 
 def tier(engine, name):
     return engine.stats()["tiers"][name]
-
-
-def wait_written(engine, name, blocks):
-    """Until the write-behind has stored `blocks` blocks in the tier (so a close drains nothing)."""
-    wait_for(lambda: tier(engine, name)["written_blocks"] == blocks and engine.stats()["tier_write_queue_blocks"] == 0,
-             f"{blocks} blocks written to {name}")
 
 
 # ---------------------------------------------------------------- the entry format and the disk tier

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import random
 import socket
-import time
 
 import numpy as np
 
@@ -15,9 +14,9 @@ from kvforge.block_hash import PLACEMENT_BLOCKS, block_hash, placement_tags, roo
 from launcher.redis_cluster import BUS_OFFSET, RedisCluster
 from runtime.kv.tiers.redis import RedisTier
 from runtime.llm_engine import LLMEngine, SamplingParams
-from tests.test_kv_tiers import wait_written
+from tests.waiting import wait_for, wait_written
 
-POLL_TIMEOUT = 90.0  # generous: failover waits for the node timeout and an election
+
 CHAINS, CHAIN_BLOCKS = 24, 3 * PLACEMENT_BLOCKS
 
 
@@ -37,13 +36,6 @@ def free_cluster_ports(count: int) -> list[int]:
             continue
         ports.append(port)
     return ports
-
-
-def wait_for(condition, what):
-    deadline = time.monotonic() + POLL_TIMEOUT
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def block(codec, seed):
