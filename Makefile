@@ -31,8 +31,18 @@ KV_DISK_BYTES ?=
 KV_REDIS_URL ?=
 REDIS_PORT ?= 6379
 REDIS_MAXMEMORY ?= 1gb
+# the engine's scheduler (empty: stall-free with the measured budget; runtime/scheduler.py)
+PREFILL_BUDGET ?=
+SCHEDULER ?=
+# DISAGGREGATE=1: a prefill worker process beside the decode engine (docs/serving.md), each with its threads
+DISAGGREGATE ?= 0
+PREFILL_THREADS ?=
+DECODE_THREADS ?=
 KV_FLAGS = --prefix-cache $(if $(filter 0,$(PREFIX_CACHE)),off,on) $(if $(KV_HOST_BYTES),--kv-host-bytes $(KV_HOST_BYTES),) \
-	$(if $(KV_DISK_DIR),--kv-disk-dir $(KV_DISK_DIR),) $(if $(KV_DISK_BYTES),--kv-disk-bytes $(KV_DISK_BYTES),)
+	$(if $(KV_DISK_DIR),--kv-disk-dir $(KV_DISK_DIR),) $(if $(KV_DISK_BYTES),--kv-disk-bytes $(KV_DISK_BYTES),) \
+	$(if $(PREFILL_BUDGET),--prefill-budget $(PREFILL_BUDGET),) $(if $(SCHEDULER),--scheduler $(SCHEDULER),) \
+	$(if $(filter 1,$(DISAGGREGATE)),--disaggregate $(if $(PREFILL_THREADS),--prefill-threads $(PREFILL_THREADS),),) \
+	$(if $(DECODE_THREADS),--decode-threads $(DECODE_THREADS),)
 # the Redis URL may hold a password: it goes by environment, not on a command line others can list
 ifneq ($(KV_REDIS_URL),)
 export KVFORGE_KV_REDIS_URL := $(KV_REDIS_URL)
@@ -76,12 +86,14 @@ run: build-engines
 	$(SERVE) $(KV_FLAGS) -- $(PY) -m clients.generate "$(PROMPT)" --url $(HOST):$(GRPC_PORT) --max-tokens $(MAX_TOKENS) $(SAMPLING)
 
 # REPLICAS launchers of the same engine on this host (replica i on the default ports + 10*i, each with
-# cores/REPLICAS threads and KV_HOST_BYTES/REPLICAS) behind the KV-aware router on ROUTER_PORT (docs/fleet.md)
+# cores/REPLICAS threads and KV_HOST_BYTES/REPLICAS) behind the router on ROUTER_PORT, choosing replicas by
+# ROUTER_POLICY (kv, round-robin or affinity; docs/fleet.md)
 REPLICAS ?= 2
 ROUTER_PORT ?= 8080
+ROUTER_POLICY ?= kv
 fleet: setup
 	$(PY) -m launcher.fleet --replicas $(REPLICAS) --repo model_repository --host $(HOST) --router-port $(ROUTER_PORT) \
-		--log-dir $(LOG_DIR) $(KV_FLAGS)
+		--policy $(ROUTER_POLICY) --log-dir $(LOG_DIR) $(KV_FLAGS)
 
 # 10 minutes of mixed traffic at concurrency 64 against its own server on free ports
 soak: setup

@@ -1,7 +1,9 @@
 """python -m bench [--quick] [--out DIR]: measure what the KV cache buys, against peers, with plots.
 
 Sections (issue 5): cache vs no cache, KV layouts, KV dtypes, peers, serving through Triton,
-roofline, prefill (issue 13), weight quantization; (issue 9) prefix caching; (issue 10) KV tiers. Writes DIR/bench.json, DIR/bench.md and PNG plots; a section
+roofline, prefill (issue 13), weight quantization; (issue 9) prefix caching; (issue 10) KV tiers;
+(issue 22) a fleet behind the router; (issue 20) streams beside long prompts per scheduler.
+Writes DIR/bench.json, DIR/bench.md and PNG plots; a section
 that fails is recorded with its error, the others still run, and the exit code is 1.
 """
 from __future__ import annotations
@@ -19,7 +21,7 @@ from bench import common, report
 from bench.common import ROOT, Artifacts, SectionError, params, say
 
 SECTIONS = ("layouts", "cache", "kv_dtypes", "peers", "roofline", "prefill", "weights", "serving", "prefix_cache",
-            "kv_tiers")
+            "kv_tiers", "fleet", "mixed_load")
 
 
 def prepare(p, artifacts: Artifacts, sections: set[str]) -> None:
@@ -31,11 +33,11 @@ def prepare(p, artifacts: Artifacts, sections: set[str]) -> None:
     jobs = []
     if sections & {"layouts", "cache", "peers", "roofline", "weights", "serving", "prefix_cache"}:
         jobs += [(p.model, layout, "fp32") for layout in ("concat", "inplace")]
-    if "kv_tiers" in sections:
+    if sections & {"kv_tiers", "fleet", "mixed_load"}:
         jobs.append((p.model, "inplace", "fp32"))
     if "kv_dtypes" in sections:
         jobs += [(p.quality_model, "inplace", d) for d in common.runnable_kv_dtypes()]
-    if sections & {"weights", "prefix_cache", "kv_tiers"}:
+    if sections & {"weights", "prefix_cache", "kv_tiers", "fleet"}:
         jobs.append((p.quality_model, "inplace", "fp32"))
     jobs += [(model, "inplace", "fp32") for model in sorted(peer_models)]
     with ThreadPoolExecutor(2) as pool:

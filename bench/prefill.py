@@ -243,7 +243,7 @@ def chunk_curve(export_dir: Path, tokens: tuple[int, ...], chunks: tuple[int, ..
         for r in range(rounds):  # rounds outermost: load from elsewhere hits every point alike
             for key in points:
                 t, c, d = key
-                engine.scheduler.prefill_tokens = engine.scheduler.solo_prefill_tokens = c
+                engine.scheduler.prefill_budget = engine.scheduler.solo_prefill_tokens = c
                 points[key].append(engine_round(engine, vocab, t, d, seed=hash(key) % 1000 + 1000 * r))
                 say(f"prefill chunks: {t} tokens, chunk {c}, {'with' if d else 'no'} decoder, round {r + 1}: "
                     f"TTFT {points[key][-1]['ttft_s']:.2f} s")

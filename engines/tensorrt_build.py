@@ -111,7 +111,8 @@ def profile_shapes(manifest: Manifest, max_slots: int = DEFAULT_SLOTS,
                    max_new_tokens: int = DEFAULT_NEW_TOKENS) -> dict[str, tuple[tuple, tuple, tuple]]:
     """(min, opt, max) shape of every engine input for the single optimization profile."""
     longest, new = manifest.max_seq_len, min(max_new_tokens, manifest.max_seq_len)
-    ranges = {"batch": (1, max_slots, max_slots), "seq": (1, 1, new), "kept": (1, 1, new), "capacity": (longest,) * 3,
+    ranges = {"batch": (1, max_slots, max_slots), "seq": (1, 1, new), "kept": (1, max_slots, max_slots * new),
+              "tokens": (1, max_slots, max_slots * new), "capacity": (longest,) * 3,
               "past": (0, longest // 2, longest - new), "total": (1, longest // 2 + 1, longest)}
     inputs, _ = manifest.io()
     return {t.name: tuple(tuple(ranges[d][i] if isinstance(d, str) else d for d in t.shape) for i in range(3))
@@ -160,6 +161,9 @@ def build(export_dir: Path, out_dir: Path, manifest: Manifest, precision: str = 
         shapes = profile_shapes(manifest, max_slots, max_new_tokens)
         for name, (low, opt, high) in shapes.items():
             profile.set_shape(name, low, opt, high)
+        if "chunk_extent" in shapes:  # its values are Slice bounds (chunk rows, key span): a shape input
+            span = manifest.max_seq_len
+            profile.set_shape_input("chunk_extent", (1, 1), (1, span // 2), (max_slots, span))
         config.add_optimization_profile(profile)
         cached = timing_cache.read_bytes() if timing_cache.is_file() else b""
         config.set_timing_cache(config.create_timing_cache(cached), False)

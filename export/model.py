@@ -8,10 +8,12 @@ as is. The cache is passed in and returned as flat tensors in the order the mani
 - concat: present = concat(past, new); the Optimum-compatible contract.
 - inplace: fixed-capacity buffers; new K/V are scattered at write_positions (ONNX TensorScatter)
   and attention reads write_positions + seq entries (ONNX Attention with a causal mask built
-  from write_positions).
-  Bound to the same memory as input and output, the runtime updates the cache in place.
-  Only the positions in logit_positions go through the final norm and lm_head: generation
-  samples one position per row, so a prefill chunk does not pay the lm_head once per token.
+  from write_positions). Bound to the same memory as input and output, the runtime updates the
+  cache in place. The step's tokens come packed (InplaceStep): every projection and MLP sees
+  the real tokens only, so decoding rows and a prompt chunk share one step without padding each
+  other; only the cache write and attention work per row. Only the tokens in logit_index go
+  through the final norm and lm_head: generation samples one per row, so a prefill chunk does
+  not pay the lm_head once per token.
 
 During torch.onnx.export the in-place ops are emitted as ONNX opset-24 symbolic ops; eagerly,
 the same math runs in torch so parity with Hugging Face can be checked without exporting.
@@ -161,6 +163,68 @@ def attend_inplace(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return attend(q, k, v, allowed, scale)
 
 
+class ConcatStep:
+    """The Optimum-compatible step: rows [B, S] right-padded, present = concat(past, new)."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask  # [B, 1, S, T] bool
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def update(self, cache: list[torch.Tensor], new: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [torch.cat((old, fresh), dim=2) for old, fresh in zip(cache, new)]
+
+    def attend(self, q, k, v, scale: float | None = None) -> torch.Tensor:
+        return attend(q, k, v, self.mask, scale)
+
+
+def take_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [H, T, D] at token indices of any shape -> [H, *index.shape, D]: one ONNX Gather."""
+    return x.index_select(1, index.reshape(-1)).view(x.shape[0], *index.shape, x.shape[-1])
+
+
+class InplaceStep:
+    """One in-place step over packed tokens (kvforge.manifest.io_tensors, inplace).
+
+    The model runs on one row of T tokens ([1, T, hidden]): the real tokens of every batch row,
+    nothing padded, so the weight matmuls cost what the tokens cost. Only the cache write and
+    attention are per row: row_tokens [B, S] names each row's new tokens (padding: any index;
+    what it writes lies past the row's length). Rows 0..P-1 are the chunk rows (chunk_extent =
+    (P, L)): their S queries attend over their first L cached positions, a copy of P x L
+    entries. Every row's first token also attends as one decode query over the whole buffer
+    (what a decoding row needs, at no padding). token_slots picks each token's output from
+    [chunk outputs (P x S), decode outputs (B)]. Two Attention calls because ONNX Runtime's
+    Attention refuses an empty batch and one padded call would cost B x S queries."""
+
+    def __init__(self, write_positions, row_tokens, chunk_extent, token_slots):
+        self.write_positions, self.row_tokens, self.token_slots = write_positions, row_tokens, token_slots
+        rows, capacity = chunk_extent[0].item(), chunk_extent[1].item()
+        torch._check(rows >= 1)
+        torch._check(rows <= row_tokens.shape[0])
+        torch._check(capacity >= 1)
+        self.chunk_rows, self.chunk_keys = rows, capacity
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Token-major [1, H, T, D] -> per row [B, H, S, D]."""
+        return take_tokens(x[0], self.row_tokens).transpose(0, 1)
+
+    def update(self, cache: list[torch.Tensor], new: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [scatter_into(old, fresh, self.write_positions) for old, fresh in zip(cache, new)]
+
+    def attend(self, q, k, v, scale: float | None = None) -> torch.Tensor:
+        """q [1, H, T, D] over the updated buffers k/v [B, KVH, CAP, D] -> [1, H, T, Dv]."""
+        p, span = self.chunk_rows, self.chunk_keys
+        chunk_q = take_tokens(q[0], self.row_tokens[:p]).transpose(0, 1)  # [P, H, S, D]
+        chunk = attend_inplace(chunk_q, k[:p, :, :span], v[:p, :, :span], self.write_positions[:p], scale)
+        decode_q = take_tokens(q[0], self.row_tokens[:, :1]).transpose(0, 1)  # [B, H, 1, D]
+        decode = attend_inplace(decode_q, k, v, self.write_positions, scale)
+        heads, width = chunk.shape[1], chunk.shape[-1]
+        outputs = torch.cat([chunk.transpose(0, 1).reshape(heads, -1, width),
+                             decode.transpose(0, 1).reshape(heads, -1, width)], dim=1)
+        return outputs.index_select(1, self.token_slots)[None]
+
+
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
@@ -175,30 +239,22 @@ class Attention(nn.Module):
         self.register_buffer("k_scale", torch.ones(scale_shape), persistent=False)
         self.register_buffer("v_scale", torch.ones(scale_shape), persistent=False)
 
-    def forward(self, x, cos, sin, cache: list[torch.Tensor], kv: KVDType, layout: str,
-                mask_or_positions: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(self, x, cos, sin, cache: list[torch.Tensor], kv: KVDType,
+                step: "ConcatStep | InplaceStep") -> tuple[torch.Tensor, list[torch.Tensor]]:
         b, s, _ = x.shape
         q, k, v = packed_linear(x, [self.q_proj, self.k_proj, self.v_proj])
         q = apply_rotary(q.view(b, s, self.heads, self.head_dim).transpose(1, 2), cos, sin)
         k = apply_rotary(k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
         v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
 
-        new_k, new_v = kv_codec.encode(k, kv, self.k_scale), kv_codec.encode(v, kv, self.v_scale)
+        new_k = kv_codec.encode(step.rows(k), kv, self.k_scale)
+        new_v = kv_codec.encode(step.rows(v), kv, self.v_scale)
         # cache order per layer: key, value[, key_scale, value_scale] (kvforge.manifest)
-        new = [new_k[0], new_v[0]] + ([new_k[1], new_v[1]] if len(new_k) > 1 else [])
-        if layout == "concat":
-            present = [torch.cat((old, fresh), dim=2) for old, fresh in zip(cache, new)]
-        else:
-            present = [scatter_into(old, fresh, mask_or_positions) for old, fresh in zip(cache, new)]
+        present = step.update(cache, [new_k[0], new_v[0]] + ([new_k[1], new_v[1]] if len(new_k) > 1 else []))
         scales = len(present) > 2
         k_all = kv_codec.decode([present[0]] + ([present[2]] if scales else []), kv, self.k_scale)
         v_all = kv_codec.decode([present[1]] + ([present[3]] if scales else []), kv, self.v_scale)
-
-        if layout == "concat":
-            out = attend(q, k_all, v_all, mask_or_positions)
-        else:
-            out = attend_inplace(q, k_all, v_all, mask_or_positions)
-        out = out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
+        out = step.attend(q, k_all, v_all).transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
         return self.o_proj(out), present
 
 
@@ -235,8 +291,8 @@ class MLAAttention(nn.Module):
         self.o_proj = nn.Linear(h * self.dv, hidden, bias=bias)
         self.interleaved = spec.rope_interleave == "pairs"  # pairs-to-halves was permuted at load
 
-    def forward(self, x, cos, sin, cache: list[torch.Tensor], kv: KVDType, layout: str,
-                mask_or_positions: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(self, x, cos, sin, cache: list[torch.Tensor], kv: KVDType,
+                step: "ConcatStep | InplaceStep") -> tuple[torch.Tensor, list[torch.Tensor]]:
         b, s, _ = x.shape
         if self.spec.q_lora_rank is None:
             q = self.q_proj(x)
@@ -252,20 +308,13 @@ class MLAAttention(nn.Module):
         k_pe = apply_rotary(k_pe[:, None], cos, sin, self.interleaved)  # [B, 1, S, dr]
         latent = torch.cat([c_kv, k_pe], dim=-1)
 
-        new = kv_codec.encode(latent, kv)
-        if layout == "concat":
-            present = [torch.cat((cache[0], new[0]), dim=2)]
-        else:
-            present = [scatter_into(cache[0], new[0], mask_or_positions)]
+        present = step.update(cache, kv_codec.encode(step.rows(latent), kv))
         context = kv_codec.decode(present, kv)  # [B, 1, T, r + dr]
 
         w = self.kv_b_proj.weight.view(self.heads, self.dn + self.dv, self.r)
         w_uk, w_uv_t = w[:, :self.dn], w[:, self.dn:].transpose(1, 2)  # [H, dn, r], [H, r, dv]
         query = torch.cat([q_nope @ w_uk, q_pe], dim=-1)  # [B, H, S, r + dr]
-        if layout == "concat":
-            out = attend(query, context, context, mask_or_positions, self.spec.attention_scale)
-        else:
-            out = attend_inplace(query, context, context, mask_or_positions, self.spec.attention_scale)
+        out = step.attend(query, context, context, self.spec.attention_scale)
         out = out[..., :self.r] @ w_uv_t  # [B, H, S, dv]
         out = out.transpose(1, 2).reshape(b, s, self.heads * self.dv)
         return self.o_proj(out), present
@@ -291,8 +340,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, cos, sin, cache, kv, layout, mask_or_positions):
-        attn, present = self.self_attn(self.input_layernorm(x), cos, sin, cache, kv, layout, mask_or_positions)
+    def forward(self, x, cos, sin, cache, kv, step):
+        attn, present = self.self_attn(self.input_layernorm(x), cos, sin, cache, kv, step)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), present
 
@@ -303,17 +352,6 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-
-
-def keep_positions(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """x [B, S, H] at positions [B, K] (indices into S) -> [B, K, H]: one ONNX GatherElements.
-
-    One graph serves generation (K = 1 per row) and scoring (K = S) rather than two graphs
-    sharing weights. Measured (`bench.prefill.profile_step`, small-llama-32k, 1,024 tokens, 2
-    threads, ONNX Runtime profiler): scoring pays 1.1 ms for this gather in a 6.9 s step (0.02%),
-    while the lm_head it lets generation skip took 1.19 s (17%); a second graph would hold a
-    second copy of the 596 MiB of weights on disk and in every session."""
-    return torch.gather(x, 1, positions[:, :, None].expand(-1, -1, x.shape[-1]))
 
 
 class CausalLM(nn.Module):
@@ -335,23 +373,26 @@ class CausalLM(nn.Module):
             key_index = torch.arange(attention_mask.shape[1])
             query_pos = past + torch.arange(input_ids.shape[1])
             causal = key_index[None, :] <= query_pos[:, None]  # [S, T]
-            mask_or_positions = (causal[None] & (attention_mask[:, None, :] > 0))[:, None]
-            positions = position_ids
+            step = ConcatStep((causal[None] & (attention_mask[:, None, :] > 0))[:, None])
         else:
-            write_positions, logit_positions, *cache = args
-            mask_or_positions = write_positions
-            positions = write_positions[:, None] + torch.arange(input_ids.shape[1])
+            positions, write_positions, row_tokens, chunk_extent, token_slots, logit_index, *cache = args
+            step = InplaceStep(write_positions, row_tokens, chunk_extent, token_slots)
+            input_ids, position_ids = input_ids[None], positions[None]  # one row of packed tokens
         if self.spec.attention == "mla":
-            cos, sin = mla_rotary(positions, self.spec)
+            cos, sin = mla_rotary(position_ids, self.spec)
         else:
-            cos, sin = rotary(positions, self.spec.head_dim, self.spec.rope_theta)
+            cos, sin = rotary(position_ids, self.spec.head_dim, self.spec.rope_theta)
 
         x = self.model.embed_tokens(input_ids)
         presents: list[torch.Tensor] = []
         for i, layer in enumerate(self.model.layers):
             layer_cache = list(cache[i * self.per_layer:(i + 1) * self.per_layer])
-            x, present = layer(x, cos, sin, layer_cache, self.kv, self.layout, mask_or_positions)
+            x, present = layer(x, cos, sin, layer_cache, self.kv, step)
             presents += present
         if self.layout == "inplace":
-            x = keep_positions(x, logit_positions)
+            # [K, hidden]: one Gather, so one graph serves generation (one token per row) and scoring
+            # (every token). Measured (`bench.prefill.profile_step`, small-llama-32k, 1,024 tokens):
+            # the lm_head generation skips took 17% of the step; a second graph for scoring would
+            # hold a second copy of the weights on disk and in every session.
+            x = x[0].index_select(0, logit_index)
         return (self.lm_head(self.model.norm(x)), *presents)

@@ -15,23 +15,25 @@ from export.model import CausalLM
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8,
                 "uint8": torch.uint8, "int64": torch.int64, "float8e4m3fn": torch.float8_e4m3fn}
 # Sizes of the example inputs; each dim is exported as dynamic, so these only need to differ.
-EXAMPLE_SIZES = {"batch": 2, "seq": 3, "kept": 4, "past": 5, "total": 8, "capacity": 16}
+EXAMPLE_SIZES = {"batch": 2, "seq": 3, "tokens": 6, "kept": 4, "past": 5, "total": 8, "capacity": 16}
+# An in-place step of the example sizes: row 0 a 3-token chunk at 0, row 1 one decode token at 7
+# (tokens 4-5 unused), chunk rows P = 1 over L = 3 positions; token_slots index [3 chunk, 2 decode].
+EXAMPLE_STEP = {"positions": [0, 1, 2, 7, 8, 9], "write_positions": [0, 7], "row_tokens": [[0, 1, 2], [3, 0, 0]],
+                "chunk_extent": [1, 3], "token_slots": [0, 1, 2, 4, 4, 4], "logit_index": [2, 3, 0, 1]}
 EXTERNAL_DATA_BYTES = 1 << 30  # protobuf cannot hold more than 2 GiB; keep weights beside it well before
 FOLD_LIMIT = 1 << 40  # elements: fold weight-only subgraphs whatever their size
 
 
 def example_input(t: TensorSpec) -> torch.Tensor:
     shape = [EXAMPLE_SIZES[d] if isinstance(d, str) else d for d in t.shape]
+    if t.name in EXAMPLE_STEP:
+        return torch.tensor(EXAMPLE_STEP[t.name])
     if t.name == "input_ids":
         return torch.randint(0, 100, shape)
     if t.name == "attention_mask":
         return torch.ones(shape, dtype=torch.int64)
     if t.name == "position_ids":
         return torch.arange(EXAMPLE_SIZES["past"], EXAMPLE_SIZES["total"]).repeat(EXAMPLE_SIZES["batch"], 1)
-    if t.name == "write_positions":
-        return torch.tensor([0, 7])
-    if t.name == "logit_positions":
-        return torch.randint(0, EXAMPLE_SIZES["seq"], shape)
     if t.dtype == "float8e4m3fn":
         return torch.zeros(shape).to(torch.float8_e4m3fn)
     return torch.zeros(shape, dtype=TORCH_DTYPES[t.dtype])
@@ -40,7 +42,7 @@ def example_input(t: TensorSpec) -> torch.Tensor:
 def export_onnx(model: CausalLM, manifest: Manifest, path: Path) -> None:
     inputs, outputs = manifest.io()
     args = tuple(example_input(t) for t in inputs)
-    dims = {name: torch.export.Dim(name, min=1) for name in ("batch", "seq", "kept", "total", "capacity")}
+    dims = {name: torch.export.Dim(name, min=1) for name in ("batch", "seq", "tokens", "kept", "total", "capacity")}
     dims["past"] = torch.export.Dim("past", min=0)
     shapes = [{i: dims[d] for i, d in enumerate(t.shape) if isinstance(d, str)} for t in inputs]
     dynamic_shapes = (shapes[0], tuple(shapes[1:]))  # forward(input_ids, *rest)

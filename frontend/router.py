@@ -17,6 +17,13 @@ approximate index: an LRU of the block hashes the router sent it, as many as its
 holds. A replica's cost is the prompt tokens it would compute (the prompt minus the cached
 prefix the index predicts) plus --balance-tokens for every sequence it is already serving;
 the cheapest ready replica wins, ties go to the one routed to least. docs/fleet.md says why.
+When a request completes, the blocks of its prompt + completion (which the replica now holds)
+join the index: a conversation's next turn is predicted up to the end of the last answer.
+That is --policy kv (the default); --policy round-robin takes the ready replicas in turn,
+whatever they cache, and --policy affinity sends every request of a session (the X-Session-ID
+header, or the OpenAI API's `user`) to the replica its hash names, by kv when it has none or
+that replica is not ready. Both are there to compare against (bench/fleet.py) and for
+operators whose clients expect one of them.
 
 Health: every replica's readiness and metrics are polled each second; one that fails readiness
 (or refuses a connection) leaves the rotation and its index is dropped (a restarted server has
@@ -30,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -61,7 +69,7 @@ from kvforge.manifest import KV_BLOCK_TOKENS, cache_namespace, kv_block_spec
 from launcher.__main__ import is_loopback
 from launcher.supervisor import DRAIN_SECONDS
 from launcher.tritonserver import CONTROL_KEY_HEADER, port_in_use
-from runtime.scheduler import PREFILL_TOKENS
+from runtime.scheduler import PREFILL_BUDGET
 
 DEFAULT_PORT = 8080
 POLL_SECONDS = 1.0
@@ -69,7 +77,9 @@ POLL_TIMEOUT = 2.0  # a replica slower than this to answer readiness is treated 
 START_TIMEOUT = 10.0  # how long each replica may take to answer the checks at start
 # An upper bound on one replica's index whatever its pool: 2**18 hashes (4M tokens) is ~40 MB here
 MAX_INDEX_BLOCKS = 1 << 18
-MAX_SCANNED_EVENT = 1 << 16  # an SSE event longer than this is passed on but not read for cached_tokens
+MAX_SCANNED_EVENT = 1 << 16  # an SSE event longer than this is passed on but not read
+POLICIES = ("kv", "round-robin", "affinity")
+SESSION_HEADER = "x-session-id"
 # The router never hands on the control key: the APIs it guards are not forwarded
 FORWARD_DROPPED = DROPPED_HEADERS | {CONTROL_KEY_HEADER}
 ROUTES_SERVED = "/v2/models/<model>/generate, /v2/models/<model>/generate_stream, /v1, /metrics, /v2/health/ready"
@@ -83,10 +93,15 @@ class RouterError(ValueError):
 
 @dataclass
 class Prompt:
-    """One prompt as the engines will see it: its token count and its full blocks' chain hashes."""
+    """One prompt as the engines will see it: its tokens, salt and full blocks' chain hashes."""
 
-    tokens: int
+    ids: list[int]
+    salt: str | None
     chain: list[bytes]
+
+    @property
+    def tokens(self) -> int:
+        return len(self.ids)
 
     @property
     def reusable_blocks(self) -> int:
@@ -109,7 +124,12 @@ class Prompts:
         for start in range(0, len(ids) - KV_BLOCK_TOKENS + 1, KV_BLOCK_TOKENS):
             parent = block_hash(parent, ids[start:start + KV_BLOCK_TOKENS])
             chain.append(parent)
-        return Prompt(len(ids), chain)
+        return Prompt(ids, salt, chain)
+
+    def answered(self, prompt: Prompt, generated: list[int]) -> Prompt:
+        """The tokens a replica holds the KV of once it generated `generated` after `prompt`: all
+        but the last generated one (sampled, never fed back)."""
+        return self.prompt(prompt.ids + generated[:-1], prompt.salt)
 
     def of_text(self, text: str | list[int], salt: str | None) -> Prompt:
         return self.prompt(text if isinstance(text, list) else self.openai.tokenizer.encode(text), salt)
@@ -121,19 +141,20 @@ class Prompts:
             return [self.prompt(ids[:body.get("input_lengths", len(ids))], body.get("cache_salt"))]
         return [self.of_text(body.get("text_input") or "", body.get("cache_salt"))]
 
-    def of_openai(self, path: str, body: bytes) -> list[Prompt]:
-        """A /v1 body's prompts, read as the front reads them; a body the front would refuse has
-        none (it is routed by load alone and the replica answers the error)."""
+    def of_openai(self, path: str, body: bytes) -> tuple[list[Prompt], str | None]:
+        """A /v1 body's prompts, read as the front reads them, and its `user` (the end-user id
+        the affinity policy may key on); a body the front would refuse has neither (it is
+        routed by load alone and the replica answers the error)."""
         try:
             if path.endswith("/chat/completions"):
                 chat = ChatRequest.model_validate_json(body)
-                return [self.of_text(self.openai.chat_prompt(chat), chat.cache_salt)]
+                return [self.of_text(self.openai.chat_prompt(chat), chat.cache_salt)], chat.user
             completion = CompletionRequest.model_validate_json(body)
         except (ValidationError, APIError):
-            return []
+            return [], None
         prompt = completion.prompt
         prompts = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
-        return [self.of_text(p, completion.cache_salt) for p in prompts]
+        return [self.of_text(p, completion.cache_salt) for p in prompts], completion.user
 
 
 # ---------------------------------------------------------------------- replicas
@@ -190,39 +211,50 @@ def parse_replica(spec: str, number: int) -> Replica:
     return Replica(number, *urls)
 
 
-def metric(text: str, name: str) -> float:
-    """The sum of a metric's samples in Prometheus text (the llm model's: one per instance)."""
-    return sum(float(m) for m in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
+def metric(text: str, name: str, label: str = "") -> float:
+    """The sum of a metric's samples in Prometheus text (the llm model's: one per instance), those
+    carrying `label` (e.g. 'tier="redis"') when given."""
+    return sum(float(value) for labels, value in re.findall(rf"^{name}(?:{{([^}}]*)}})? (\S+)$", text, re.MULTILINE)
+               if label in labels)
 
 
-def reported_cached_tokens(content: bytes) -> int | None:
-    """The cached prompt tokens a response (or an SSE event's data) reports: llm's cached_tokens,
-    OpenAI's usage.prompt_tokens_details."""
-    try:
-        payload = json.loads(content)
-    except ValueError:
-        return None
-    if not isinstance(payload, dict):
-        return None
-    usage = payload.get("usage") or {}
-    value = payload.get("cached_tokens", (usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
-    return value if isinstance(value, int) else None
-
-
-class CachedTokensScanner:
-    """Reads cached_tokens from the SSE events passing by (the last one that reports it)."""
+class ResponseScanner:
+    """What a response tells the router as it passes by (a whole body, or SSE events as they
+    come): the cached prompt tokens it reports (llm's cached_tokens, OpenAI's
+    usage.prompt_tokens_details; the last report counts) and what it generated (llm's
+    output_ids, else the text of OpenAI's first choice)."""
 
     def __init__(self):
-        self.pending, self.value = b"", None
+        self.pending, self.cached, self.ids, self.text = b"", None, [], ""
+        self.whole = True  # every event was read (a skipped one leaves a gap in what it generated)
 
     def feed(self, chunk: bytes) -> None:
         *events, self.pending = (self.pending + chunk).split(b"\n\n")
         if len(self.pending) > MAX_SCANNED_EVENT:
-            self.pending = b""
+            self.pending, self.whole = b"", False
         for event in events:
             if event.startswith(b"data: {"):
-                reported = reported_cached_tokens(event[6:])
-                self.value = self.value if reported is None else reported
+                self.read(event[6:])
+
+    def read(self, content: bytes) -> None:
+        try:
+            payload = json.loads(content)
+        except ValueError:
+            return
+        if not isinstance(payload, dict):
+            return
+        usage = payload.get("usage") or {}
+        cached = payload.get("cached_tokens", (usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
+        if isinstance(cached, int):
+            self.cached = cached
+        ids = payload.get("output_ids")
+        if isinstance(ids, list):
+            self.ids += [i for i in (ids[0] if ids and isinstance(ids[0], list) else ids) if isinstance(i, int)]
+        for choice in payload.get("choices") or []:
+            if isinstance(choice, dict) and choice.get("index", 0) == 0:
+                message = choice.get("delta") or choice.get("message") or {}
+                part = choice.get("text") or (message.get("content") if isinstance(message, dict) else None)
+                self.text += part if isinstance(part, str) else ""
 
 
 @dataclass
@@ -238,8 +270,11 @@ class Upstream:
 # ---------------------------------------------------------------------- the router
 
 class Router:
-    def __init__(self, prompts: Prompts, replicas: list[Replica], balance_tokens: int, api_key: str | None):
+    def __init__(self, prompts: Prompts, replicas: list[Replica], balance_tokens: int, api_key: str | None,
+                 policy: str = "kv"):
         self.prompts, self.replicas, self.balance_tokens, self.api_key = prompts, replicas, balance_tokens, api_key
+        self.policy = policy
+        self.last_chosen = 0  # round-robin: the number of the replica chosen last
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         self.owners: dict[str, Replica] = {}  # X-Request-ID -> the replica serving it (for `stop`)
@@ -308,12 +343,21 @@ class Router:
 
     # -------------------------------------------------------------- choosing
 
-    def choose(self, prompts: list[Prompt], exclude: list[Replica], owner: Replica | None = None) -> Replica | None:
-        """The ready replica with the least work for this request (see the module docstring), or
-        the owner of the request a `stop` names."""
+    def choose(self, prompts: list[Prompt], exclude: list[Replica], owner: Replica | None = None,
+               session: str | None = None) -> Replica | None:
+        """The ready replica the policy picks for this request (see the module docstring), or the
+        owner of the request a `stop` names."""
         candidates = [r for r in self.replicas if r.ready and r not in exclude]
         if owner in candidates:
             return owner
+        if self.policy == "round-robin":  # the next ready one after the last chosen (a retry: after the failed one)
+            chosen = min(candidates, key=lambda r: (r.number - 1 - self.last_chosen) % len(self.replicas), default=None)
+            self.last_chosen = chosen.number if chosen else self.last_chosen
+            return chosen
+        if self.policy == "affinity" and session is not None:
+            home = self.replicas[session_home(session, len(self.replicas))]
+            if home in candidates:
+                return home
         tokens = sum(p.tokens for p in prompts)
 
         def cost(replica: Replica) -> tuple:
@@ -348,11 +392,11 @@ class Router:
         return upstream
 
     async def route(self, request: Request, endpoint: str, body: bytes, prompts: list[Prompt], request_id: str,
-                    openai: bool, owner: Replica | None = None) -> Response:
+                    openai: bool, owner: Replica | None = None, session: str | None = None) -> Response:
         """Forward to the best replica; once more to the next best if it fails before the first token."""
         tried: list[Replica] = []
         failure: Upstream | None = None  # a replica's 5xx, handed on if no other replica does better
-        while len(tried) < 2 and (replica := self.choose(prompts, tried, owner)) is not None:
+        while len(tried) < 2 and (replica := self.choose(prompts, tried, owner, session)) is not None:
             if tried:
                 self.retries += 1
             tried.append(replica)
@@ -374,7 +418,7 @@ class Router:
             replica.count(endpoint)
             if upstream.response.status_code == 200:
                 replica.remember(prompts)
-            return self.relay(replica, upstream, predicted, request_id, openai)
+            return self.relay(replica, upstream, prompts, predicted, request_id, openai)
         if failure is not None:
             return Response(failure.first, failure.response.status_code,
                             headers={**response_headers(failure.response), "X-Request-ID": request_id})
@@ -382,22 +426,30 @@ class Router:
             f"the request failed on {len(tried)} replicas before its first token; retry shortly"
         return unavailable(message, request_id, openai)
 
-    def relay(self, replica: Replica, upstream: Upstream, predicted: int, request_id: str, openai: bool) -> Response:
+    def relay(self, replica: Replica, upstream: Upstream, prompts: list[Prompt], predicted: int, request_id: str,
+              openai: bool) -> Response:
         response = upstream.response
         headers = {**response_headers(response), "X-Request-ID": request_id}
+        scanner = ResponseScanner()
 
-        def settle(cached: int | None) -> None:
+        def settle() -> None:
             replica.open -= 1
             self.owners.pop(request_id, None)
-            if cached is not None:  # predicted vs actual, over the responses that report it
+            if response.status_code != 200:
+                return
+            if scanner.cached is not None:  # predicted vs actual, over the responses that report it
                 replica.predicted_tokens += predicted
-                replica.cached_tokens += cached
+                replica.cached_tokens += scanner.cached
+            generated = scanner.ids or (self.prompts.openai.tokenizer.encode(scanner.text, add_special_tokens=False)
+                                        if scanner.text else [])
+            if generated and scanner.whole and len(prompts) == 1 and replica.ready:  # the next turn's history
+                replica.remember([self.prompts.answered(prompts[0], generated)])
 
         if upstream.whole:
-            settle(reported_cached_tokens(upstream.first) if response.status_code == 200 else None)
+            scanner.read(upstream.first)
+            settle()
             return Response(upstream.first, response.status_code, headers=headers)
         self.owners[request_id] = replica
-        scanner = CachedTokensScanner()
 
         async def body() -> AsyncIterator[bytes]:
             try:
@@ -414,7 +466,7 @@ class Router:
                     yield b"data: [DONE]\n\n"
             finally:
                 await response.aclose()  # also on a client disconnect: the replica then cancels the request
-                settle(scanner.value)
+                settle()
 
         return StreamingResponse(body(), response.status_code, headers=headers)
 
@@ -453,7 +505,8 @@ class Router:
             return await self.route(request, "stop", await request.body(), [], request_id, openai=False,
                                     owner=self.owners.get(request_id))
         prompts = await asyncio.to_thread(self.prompts.of_generate, parsed)
-        return await self.route(request, endpoint, await request.body(), prompts, request_id, openai=False)
+        return await self.route(request, endpoint, await request.body(), prompts, request_id, openai=False,
+                                session=request.headers.get(SESSION_HEADER))
 
     async def openai(self, request: Request) -> Response:
         request_id = request_id_of(request)
@@ -462,9 +515,10 @@ class Router:
                                code="invalid_api_key")
             return JSONResponse(failure.body(), failure.status)
         body = await request.body()
-        prompts = await asyncio.to_thread(self.prompts.of_openai, request.url.path, body) if body else []
+        prompts, user = await asyncio.to_thread(self.prompts.of_openai, request.url.path, body) if body else ([], None)
         endpoint = request.url.path.removeprefix("/v1/").replace("/", "_")
-        return await self.route(request, endpoint, body, prompts, request_id, openai=True)
+        return await self.route(request, endpoint, body, prompts, request_id, openai=True,
+                                session=request.headers.get(SESSION_HEADER) or user)
 
     async def ready(self, request: Request) -> Response:
         ready = [r.number for r in self.replicas if r.ready]
@@ -530,6 +584,12 @@ class Router:
         ], lifespan=lifespan)
 
 
+def session_home(session: str, replicas: int) -> int:
+    """The index of a session's replica: a stable hash (Python's hash() changes per process, and
+    a restarted router must send a session where it went before)."""
+    return int.from_bytes(hashlib.sha256(session.encode()).digest()[:8], "big") % replicas
+
+
 def event(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
@@ -556,15 +616,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
-    parser.add_argument("--balance-tokens", type=int, default=PREFILL_TOKENS,
+    parser.add_argument("--balance-tokens", type=int, default=PREFILL_BUDGET,
                         help="prompt tokens of cache hit worth one more sequence on a replica "
                              "(default: %(default)s, one prefill chunk)")
+    parser.add_argument("--policy", default="kv", help=f"how a replica is chosen: {', '.join(POLICIES)} "
+                        f"(default: kv; affinity keys on the {SESSION_HEADER} header or the OpenAI API's user)")
     return parser.parse_args(argv)
 
 
 def check_args(args: argparse.Namespace) -> None:
     if not args.replica:
         raise RouterError("give at least one --replica HTTP,OPENAI,METRICS")
+    check_policy(args.policy)
     if not 0 < args.port < 65536:
         raise RouterError(f"--port must be a port in 1..65535, got {args.port}")
     if args.max_body_bytes <= 0 or args.balance_tokens < 0:
@@ -576,9 +639,15 @@ def check_args(args: argparse.Namespace) -> None:
         raise RouterError(f"port {args.port} on {args.host} (--port) is in use (another server?); choose another")
 
 
+def check_policy(policy: str) -> None:
+    if policy not in POLICIES:
+        raise RouterError(f"--policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+
+
 async def serve(args: argparse.Namespace) -> int:
     replicas = [parse_replica(spec, i) for i, spec in enumerate(args.replica, 1)]
-    router = Router(Prompts(args.repo), replicas, args.balance_tokens, os.environ.get(env.OPENAI_API_KEY) or None)
+    router = Router(Prompts(args.repo), replicas, args.balance_tokens, os.environ.get(env.OPENAI_API_KEY) or None,
+                    args.policy)
     for problem in await asyncio.gather(*(router.verify(r) for r in replicas)):
         if problem:
             await router.client.aclose()
@@ -586,7 +655,7 @@ async def serve(args: argparse.Namespace) -> int:
     server = uvicorn.Server(uvicorn.Config(BodyLimit(router.app(), args.max_body_bytes), host=args.host,
                                            port=args.port, log_level="warning", access_log=False, lifespan="on",
                                            timeout_graceful_shutdown=DRAIN_SECONDS))
-    log(f"routing http://{args.host}:{args.port} (/v2 generate, /v1, /metrics) over "
+    log(f"routing http://{args.host}:{args.port} (/v2 generate, /v1, /metrics; policy {args.policy}) over "
         + ", ".join(f"{r.number}={r.http}" for r in replicas))
     await server.serve()  # uvicorn's own SIGINT/SIGTERM handling: in-flight requests finish first
     return 0

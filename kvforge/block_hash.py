@@ -32,6 +32,15 @@ def block_hash(parent: bytes, token_ids) -> bytes:
     return hashlib.blake2b(parent + np.asarray(token_ids, "<i4").tobytes(), digest_size=HASH_BYTES).digest()
 
 
+def chain(namespace: bytes, salt: bytes | None, token_ids, blocks: int, block_tokens: int) -> list[bytes]:
+    """The hashes of the first `blocks` full blocks of token_ids."""
+    parent, hashes = root_hash(namespace, salt), []
+    for i in range(blocks):
+        parent = block_hash(parent, token_ids[i * block_tokens:(i + 1) * block_tokens])
+        hashes.append(parent)
+    return hashes
+
+
 def placement_tags(chain: list[bytes], start: int, count: int) -> list[bytes]:
     """The placement tags of blocks start..start+count-1 of a chain (chain[i] = block i's hash):
     the hash of the first block of each one's group."""

@@ -22,39 +22,64 @@ KV_REDIS_TTL = "KVFORGE_KV_REDIS_TTL"
 QUEUE_TIMEOUT = "KVFORGE_QUEUE_TIMEOUT"
 REQUEST_TIMEOUT = "KVFORGE_REQUEST_TIMEOUT"
 THREADS = "KVFORGE_THREADS"  # ONNX Runtime intra-op threads (default: every core)
+PREFILL_BUDGET = "KVFORGE_PREFILL_BUDGET"  # prompt tokens per step beside the decoding rows
+SCHEDULER = "KVFORGE_SCHEDULER"  # stall-free | alternate
+SCHEDULERS = ("stall-free", "alternate")
+DISAGGREGATE = "KVFORGE_DISAGGREGATE"  # 0 | 1: a prefill worker process beside the decode engine
+PREFILL_THREADS = "KVFORGE_PREFILL_THREADS"  # the prefill worker's intra-op threads
+PD_THRESHOLD = "KVFORGE_PD_THRESHOLD"  # uncached prompt tokens above which a prompt is prefilled remotely
+PD_TRANSPORT = "KVFORGE_PD_TRANSPORT"  # shm (one host) | redis (the KV Redis tier)
 CHECKPOINTS = "KVFORGE_CHECKPOINTS"  # where presets are materialized (default: build/checkpoints)
 
 # engine option -> its variable, for the whole-number options
-WHOLE_NUMBERS = {"kv_host_bytes": KV_HOST_BYTES, "kv_disk_bytes": KV_DISK_BYTES, "kv_redis_ttl": KV_REDIS_TTL}
+WHOLE_NUMBERS = {"kv_host_bytes": KV_HOST_BYTES, "kv_disk_bytes": KV_DISK_BYTES, "kv_redis_ttl": KV_REDIS_TTL,
+                 "prefill_budget": PREFILL_BUDGET}
 
 
 def model_environment(control_key: str, access_log: Path, prefix_cache: bool = True,
                       kv_host_bytes: int | None = None, kv_disk_dir: Path | None = None,
                       kv_disk_bytes: int | None = None, kv_redis_url: str | None = None,
                       kv_redis_ttl: int | None = None, queue_timeout: float | None = None,
-                      request_timeout: float | None = None) -> dict[str, str]:
+                      request_timeout: float | None = None, prefill_budget: int | None = None,
+                      scheduler: str | None = None, disaggregate: bool = False, prefill_threads: int | None = None,
+                      pd_threshold: int | None = None, pd_transport: str | None = None) -> dict[str, str]:
     """The variables for the llm model's process (unset options are left out; a KVFORGE_KV_REDIS_URL
     already in the launcher's environment reaches the model with the rest of it)."""
     values = {CONTROL_KEY: control_key, ACCESS_LOG: str(access_log), PREFIX_CACHE: "1" if prefix_cache else "0",
               KV_HOST_BYTES: kv_host_bytes, KV_DISK_DIR: kv_disk_dir and Path(kv_disk_dir).resolve(),
               KV_DISK_BYTES: kv_disk_bytes, KV_REDIS_URL: kv_redis_url, KV_REDIS_TTL: kv_redis_ttl,
-              QUEUE_TIMEOUT: queue_timeout, REQUEST_TIMEOUT: request_timeout}
+              QUEUE_TIMEOUT: queue_timeout, REQUEST_TIMEOUT: request_timeout, PREFILL_BUDGET: prefill_budget,
+              SCHEDULER: scheduler, DISAGGREGATE: "1" if disaggregate else None, PREFILL_THREADS: prefill_threads,
+              PD_THRESHOLD: pd_threshold, PD_TRANSPORT: pd_transport}
     return {name: str(value) for name, value in values.items() if value is not None and value != ""}
 
 
 def engine_options(environ: Mapping[str, str] = os.environ) -> dict:
-    """LLMEngine's prefix-cache and tier keyword arguments from the environment."""
+    """LLMEngine's scheduler, prefix-cache and tier keyword arguments from the environment."""
     enabled = environ.get(PREFIX_CACHE, "1")
     if enabled not in ("0", "1"):
         raise ValueError(f"{PREFIX_CACHE} must be 0 or 1 (got {enabled!r})")
+    scheduler = environ.get(SCHEDULER) or SCHEDULERS[0]
+    if scheduler not in SCHEDULERS:
+        raise ValueError(f"{SCHEDULER} must be one of {', '.join(SCHEDULERS)} (got {scheduler!r})")
     options = dict(prefix_cache=enabled == "1", kv_disk_dir=environ.get(KV_DISK_DIR) or None,
-                   kv_redis_url=environ.get(KV_REDIS_URL) or None)
+                   kv_redis_url=environ.get(KV_REDIS_URL) or None, stall_free=scheduler == "stall-free")
     for key, name in WHOLE_NUMBERS.items():
         value = environ.get(name, "")
         if not (value.isdigit() or value == ""):
             raise ValueError(f"{name} must be a whole number (got {value!r})")
         if value:
             options[key] = int(value)
+    if environ.get(DISAGGREGATE, "0") not in ("0", "1"):
+        raise ValueError(f"{DISAGGREGATE} must be 0 or 1 (got {environ[DISAGGREGATE]!r})")
+    if environ.get(DISAGGREGATE) == "1":
+        pd = {"threads": PREFILL_THREADS, "threshold_tokens": PD_THRESHOLD}
+        for name in pd.values():
+            if not environ.get(name, "0").isdigit():
+                raise ValueError(f"{name} must be a whole number (got {environ[name]!r})")
+        options["disaggregation"] = {key: int(environ[name]) for key, name in pd.items() if environ.get(name)}
+        if environ.get(PD_TRANSPORT):
+            options["disaggregation"]["transport"] = environ[PD_TRANSPORT]
     return options
 
 

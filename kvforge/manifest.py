@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 # 2: the inplace graph takes logit_positions and returns logits only there (format 1 had every position)
-FORMAT_VERSION = 2
+# 3: the inplace graph takes packed tokens (positions, row_tokens, chunk_extent, token_slots, logit_index)
+FORMAT_VERSION = 3
 MANIFEST_FILE = "manifest.json"
 MODEL_FILE = "model.onnx"
 OPSET = 24  # TensorScatter (the in-place KV write) needs opset 24
@@ -335,12 +336,16 @@ def io_tensors(spec: ModelSpec, layout: str, dtype: str) -> tuple[list[TensorSpe
     """ONNX graph inputs and outputs for a layout; the order is the exported order.
 
     concat (Optimum-compatible): past [batch, kv_heads, past_len, D] in, present with
-    past_len + seq out. inplace: one buffer [batch, kv_heads, capacity, D] per tensor, given as
-    input and returned as output so a runtime binds both to the same memory; new K/V land at
-    write_positions[b] .. + seq, and attention reads write_positions[b] + seq entries.
-    inplace logits cover only logit_positions [batch, kept] (indices into seq, gathered before the
-    final norm and lm_head): generation passes each row's last real position, scoring every
-    position. concat returns every position, as Optimum's contract has it.
+    past_len + seq out; logits for every position, as Optimum's contract has it.
+    inplace: one buffer [batch, kv_heads, capacity, D] per tensor, given as input and returned as
+    output so a runtime binds both to the same memory. The step's tokens are packed: input_ids and
+    positions [tokens] hold the real new tokens of every row; row_tokens [batch, seq] indexes row
+    b's new tokens in them (they land at write_positions[b] ..); rows 0..P-1 of chunk_extent = (P, L)
+    attend with all their queries over their first L positions, every row's first token also as
+    a decode query over the whole buffer; token_slots [tokens] picks each token's attention output
+    from [P x seq chunk outputs, batch decode outputs]; logits [kept, vocab] only for the tokens in
+    logit_index (generation: each sampling row's last token). The runner builds all of it from a
+    right-padded batch (runtime/runners/ort.py, pack_step).
     MLA: one tensor per layer, past_key_values.{i}.latent -> present.{i}.latent, [batch, 1, T, r + dr]."""
     check_layout_dtype(layout, dtype)
     check_attention_dtype(spec, dtype)
@@ -352,13 +357,17 @@ def io_tensors(spec: ModelSpec, layout: str, dtype: str) -> tuple[list[TensorSpe
                   TensorSpec("position_ids", "int64", ("batch", "seq"))]
         past_len, present_len, past_prefix, present_prefix = "past", "total", "past_key_values", "present"
     else:
-        inputs = [TensorSpec("input_ids", "int64", ("batch", "seq")),
+        inputs = [TensorSpec("input_ids", "int64", ("tokens",)),
+                  TensorSpec("positions", "int64", ("tokens",)),
                   TensorSpec("write_positions", "int64", ("batch",)),
-                  TensorSpec("logit_positions", "int64", ("batch", "kept"))]
+                  TensorSpec("row_tokens", "int64", ("batch", "seq")),
+                  TensorSpec("chunk_extent", "int64", (2,)),
+                  TensorSpec("token_slots", "int64", ("tokens",)),
+                  TensorSpec("logit_index", "int64", ("kept",))]
         past_len = present_len = "capacity"
         past_prefix, present_prefix = "past_key_values", "present"
-    logit_rows = "seq" if layout == "concat" else "kept"
-    outputs = [TensorSpec("logits", "float32", ("batch", logit_rows, spec.vocab_size))]
+    logits_shape = ("batch", "seq", spec.vocab_size) if layout == "concat" else ("kept", spec.vocab_size)
+    outputs = [TensorSpec("logits", "float32", logits_shape)]
     for i in range(spec.num_layers):
         for prefix, length, dest in ((past_prefix, past_len, inputs), (present_prefix, present_len, outputs)):
             for name in kv_tensor_names(i, prefix, d.has_scale_tensors, spec.attention):

@@ -32,6 +32,8 @@ from launcher.keys import DEFAULT_KEY_FILE, control_key
 from launcher.supervisor import DRAIN_SECONDS, Supervisor
 from launcher.tritonserver import CONTROL_KEY_HEADER, READY_TIMEOUT, ServerError, TritonProcess, free_ports, \
     port_in_use, server_env
+from runtime.disaggregation import THRESHOLD_TOKENS, TRANSPORTS
+from runtime.scheduler import PREFILL_BUDGET, check_prefill_budget
 
 
 # the query options a KV Redis URL may carry (value sets; empty: any value, e.g. a CA file's path)
@@ -70,6 +72,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="seconds a request may wait for a KV slot before it is refused (llm model)")
     parser.add_argument("--request-timeout", type=float, default=None,
                         help="seconds a request may run in all before it is ended (llm model)")
+    parser.add_argument("--prefill-budget", type=int, default=None,
+                        help=f"prompt tokens per engine step beside every decoding row (default {PREFILL_BUDGET}: "
+                        "larger favours time to first token, smaller the other streams' inter-token latency)")
+    parser.add_argument("--scheduler", choices=env.SCHEDULERS, default=None,
+                        help="stall-free (default): every step runs every decoding row plus prompt chunks up to "
+                        "the budget; alternate: prompt-chunk steps take turns with decode steps")
+    parser.add_argument("--disaggregate", action="store_true",
+                        help="prefill long prompts in a prefill worker process beside the decode engine, the KV "
+                        "handed over through the block store (docs/serving.md#disaggregated-prefill)")
+    parser.add_argument("--prefill-threads", type=int, default=None, help="the prefill worker's threads")
+    parser.add_argument("--decode-threads", type=int, default=None,
+                        help="the engine's threads (default: $KVFORGE_THREADS, else every core)")
+    parser.add_argument("--pd-threshold", type=int, default=None,
+                        help=f"uncached prompt tokens above which a prompt goes to the prefill worker "
+                        f"(default {THRESHOLD_TOKENS})")
+    parser.add_argument("--pd-transport", choices=TRANSPORTS, default=None,
+                        help="shm: /dev/shm on this host (default); redis: through the Redis KV tier")
     parser.add_argument("--prefix-cache", choices=("on", "off"), default="on",
                         help="reuse the KV of repeated prompt prefixes (llm model; default: on)")
     parser.add_argument("--kv-host-bytes", type=int, default=None,
@@ -135,12 +154,30 @@ def check_config(args: argparse.Namespace) -> None:
                         ("--request-timeout", args.request_timeout), ("--max-body-bytes", args.max_body_bytes)):
         if value is not None and value <= 0:
             raise ConfigError(f"{flag} must be > 0, got {value}")
+    pd_flags = [flag for flag, value in (("--prefill-threads", args.prefill_threads), ("--pd-threshold",
+                args.pd_threshold), ("--pd-transport", args.pd_transport)) if value is not None]
+    if pd_flags and not args.disaggregate:
+        raise ConfigError(f"{', '.join(pd_flags)} configure disaggregated serving: add --disaggregate")
+    if args.disaggregate and args.prefix_cache == "off":
+        raise ConfigError("--disaggregate hands prompts' KV over as prefix-cache hits: drop --prefix-cache off")
+    for flag, value in (("--prefill-threads", args.prefill_threads), ("--decode-threads", args.decode_threads)):
+        if value is not None and not 1 <= value <= 256:
+            raise ConfigError(f"{flag} must be in 1..256, got {value}")
+    if args.pd_threshold is not None and args.pd_threshold < 0:
+        raise ConfigError(f"--pd-threshold must be >= 0, got {args.pd_threshold}")
+    if args.prefill_budget is not None:
+        try:
+            check_prefill_budget(args.prefill_budget)
+        except ValueError as e:
+            raise ConfigError(f"--prefill-budget: {e}") from None
     if args.drain_seconds < 0:
         raise ConfigError(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
     redis_url = args.kv_redis_url or os.environ.get(env.KV_REDIS_URL)
     if redis_url and (problem := redis_url_error(redis_url)):
         source = "--kv-redis-url" if args.kv_redis_url else f"${env.KV_REDIS_URL}"
         raise ConfigError(f"{source} {problem} (expected redis://[:PASSWORD@]HOST:PORT/DB or rediss://...)")
+    if args.pd_transport == "redis" and not redis_url:
+        raise ConfigError("--pd-transport redis hands KV over through the Redis KV tier: give --kv-redis-url")
     if (args.kv_disk_dir or redis_url) and args.prefix_cache == "off":
         raise ConfigError("the disk and Redis KV tiers sit below the prefix cache: drop --prefix-cache off")
     for flag, directory in (("--log-dir", args.log_dir), ("--kv-disk-dir", args.kv_disk_dir)):
@@ -170,7 +207,16 @@ def main(argv: list[str] | None = None) -> int:
         model_env = env.model_environment(
             key, log_dir / "kvforge.jsonl", prefix_cache=args.prefix_cache == "on", kv_host_bytes=args.kv_host_bytes,
             kv_disk_dir=args.kv_disk_dir, kv_disk_bytes=args.kv_disk_bytes, kv_redis_url=args.kv_redis_url,
-            kv_redis_ttl=args.kv_redis_ttl, queue_timeout=args.queue_timeout, request_timeout=args.request_timeout)
+            kv_redis_ttl=args.kv_redis_ttl, queue_timeout=args.queue_timeout, request_timeout=args.request_timeout,
+            prefill_budget=args.prefill_budget, scheduler=args.scheduler, disaggregate=args.disaggregate,
+            prefill_threads=args.prefill_threads, pd_threshold=args.pd_threshold, pd_transport=args.pd_transport)
+        if args.disaggregate:  # on 2 cores, 1 + 1: the workers take turns on no core
+            cores = os.cpu_count() or 2
+            prefill = args.prefill_threads or max(1, cores // 2)
+            model_env[env.PREFILL_THREADS] = str(prefill)
+            model_env[env.THREADS] = str(args.decode_threads or max(1, cores - prefill))
+        elif args.decode_threads:
+            model_env[env.THREADS] = str(args.decode_threads)
         triton = TritonProcess(repo, args.host, args.triton_http_port or free_ports(1)[0], args.grpc_port,
                                args.metrics_port, key, log_dir / "triton.log", server_env(model_env))
         supervisor = Supervisor(triton, args.ready_timeout, log_dir)

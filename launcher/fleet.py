@@ -1,6 +1,7 @@
 """N kvforge replicas on one host behind the KV-aware router, in the foreground.
 
     python -m launcher.fleet --replicas N [--repo model_repository] [--host H --router-port 8080]
+                             [--policy kv|round-robin|affinity]
                              [--log-dir build/logs] [--prefix-cache on|off] [--kv-host-bytes TOTAL]
                              [--kv-disk-dir DIR --kv-disk-bytes TOTAL]
 
@@ -50,6 +51,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repo", type=Path, default=Path("model_repository"))
     parser.add_argument("--host", default="127.0.0.1", help="the router's address (replicas stay on 127.0.0.1)")
     parser.add_argument("--router-port", type=int, default=router.DEFAULT_PORT)
+    parser.add_argument("--policy", default="kv", help=f"the router's policy: {', '.join(router.POLICIES)} "
+                        "(default: kv; docs/fleet.md)")
     parser.add_argument("--log-dir", type=Path, default=Path("build/logs"), help="replica i logs in DIR/replica-i")
     parser.add_argument("--ready-timeout", type=float, default=120.0, help="seconds each replica may take to start")
     parser.add_argument("--prefix-cache", choices=("on", "off"), default="on")
@@ -66,6 +69,7 @@ def check(args: argparse.Namespace) -> None:
                          f"got {args.replicas}")
     if not args.repo.is_dir():
         raise FleetError(f"model repository {args.repo} does not exist")
+    router.check_policy(args.policy)  # before any replica starts, not once they all have
     ports = [("the router", args.host, args.router_port)] + [
         (f"replica {i} ({flag})", "127.0.0.1", port)
         for i in range(1, args.replicas + 1) for flag, port in replica_ports(i).items()]
@@ -108,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"({os.environ[env.THREADS]} threads; logs in {replica.log_dir})", file=sys.stderr, flush=True)
                 replica.start()
             return router.main(["--repo", str(args.repo), "--host", args.host, "--port", str(args.router_port),
+                                "--policy", args.policy,
                                 *[arg for r in replicas for arg in ("--replica", ",".join(
                                     (f"http://{r.http_url}", f"http://{r.host}:{r.openai_port}",
                                      f"http://{r.host}:{r.metrics_port}")))]])

@@ -22,6 +22,7 @@ from kvforge.manifest import Manifest, ManifestError, cache_namespace
 from kvforge.block_hash import MAX_CACHE_SALT_BYTES
 from kvforge.errors import EngineError, RequestError
 from kvforge.limits import DEFAULT_KV_CACHE_BYTES, Limits
+from runtime.disaggregation import Disaggregation, PrefillWorker
 from runtime.kv.block_pool import HostBlockPool, default_kv_host_bytes
 from runtime.kv.manager import KVManager
 from runtime.kv.tiers.codec import BlockCodec
@@ -31,7 +32,7 @@ from runtime.kv.tiers.redis import RedisTier
 from runtime.runners import open_runner
 from runtime.runners.base import Batch, last_positions
 from runtime.sampling import SamplingParams
-from runtime.scheduler import PREFILL_TOKENS, SOLO_PREFILL_TOKENS, Scheduler
+from runtime.scheduler import PREFILL_BUDGET, SOLO_PREFILL_TOKENS, Scheduler
 from runtime.sequence import RequestOutput, Sequence
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -49,18 +50,24 @@ Prompt = str | list[int]
 
 class LLMEngine:
     def __init__(self, engine_dir: Path | str, *, slots: int | None = None, max_waiting: int | None = None,
-                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, prefill_tokens: int = PREFILL_TOKENS,
-                 solo_prefill_tokens: int = SOLO_PREFILL_TOKENS,
+                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, prefill_budget: int = PREFILL_BUDGET,
+                 solo_prefill_tokens: int = SOLO_PREFILL_TOKENS, stall_free: bool = True,
                  threads: int | None = None, prefix_cache: bool = True, kv_host_bytes: int | None = None,
                  kv_disk_dir: Path | str | None = None, kv_disk_bytes: int = DEFAULT_KV_DISK_BYTES,
-                 kv_redis_url: str | None = None, kv_redis_ttl: int | None = None, admission: str = "optimistic"):
+                 kv_redis_url: str | None = None, kv_redis_ttl: int | None = None, admission: str = "optimistic",
+                 disaggregation: Disaggregation | dict | None = None):
         """prefix_cache: reuse the KV of repeated prompt prefixes from a host RAM pool of
         kv_host_bytes (default: a quarter of RAM, at most 8 GiB), and below it from files in
         kv_disk_dir (at most kv_disk_bytes) and from the Redis at kv_redis_url (keys expire after
         kv_redis_ttl seconds if given), which other replicas of the same model share.
         admission: "optimistic" admits on the KV sequences hold now and, when they outgrow
         kv_cache_bytes, preempts the youngest (its row swapped to the host pool, or recomputed
-        beyond the swap reserve); "reserve" promises every request prompt + max_tokens up front."""
+        beyond the swap reserve); "reserve" promises every request prompt + max_tokens up front.
+        prefill_budget: prompt tokens per step beside the decoding rows (stall_free, the default:
+        every step runs every decoding row; runtime/scheduler.py has the measured trade-off);
+        stall_free=False alternates prompt-chunk steps with decode steps.
+        disaggregation: long uncached prompts are prefilled by a prefill worker process and handed
+        over as a prefix hit (runtime/disaggregation.py); needs the prefix cache."""
         if admission not in ("optimistic", "reserve"):
             raise ValueError(f"admission must be 'optimistic' or 'reserve', got {admission!r}")
         engine_dir = Path(engine_dir)
@@ -78,18 +85,28 @@ class LLMEngine:
         pool = HostBlockPool(self.runner.block, kv_host_bytes) if prefix_cache else None
         self._cond = threading.Condition()
         namespace = cache_namespace(manifest)
-        self.tiers = None
-        if pool is not None and (kv_disk_dir or kv_redis_url):
+        self.tiers, self.pd, self._remote = None, None, {}
+        self.pd_counters = dict(pd_remote_prefills=0, pd_local_prefills=0, pd_handoffs=0, pd_handoff_bytes=0,
+                                pd_handoff_failures=0, pd_handoff_expired=0)
+        if isinstance(disaggregation, dict):  # the fields, as kvforge.env.engine_options reads them
+            disaggregation = Disaggregation(**disaggregation)
+        if disaggregation is not None:
+            if pool is None:
+                raise ValueError("disaggregated serving hands the KV over as a prefix hit: it needs the prefix cache")
+            self.pd = PrefillWorker(engine_dir, dataclasses.replace(disaggregation, redis_url=kv_redis_url),
+                                    self._handed_off)
+        handoff = [self.pd.handoff] if self.pd is not None and self.pd.handoff is not None else []
+        if pool is not None and (kv_disk_dir or kv_redis_url or handoff):
             if kv_disk_bytes <= 0 or (kv_redis_ttl is not None and kv_redis_ttl <= 0):
                 raise ValueError("kv_disk_bytes and kv_redis_ttl must be > 0")
             codec = BlockCodec(self.runner.block, namespace)
-            tiers = [DiskTier(Path(kv_disk_dir), kv_disk_bytes, codec)] if kv_disk_dir else []
+            tiers = handoff + ([DiskTier(Path(kv_disk_dir), kv_disk_bytes, codec)] if kv_disk_dir else [])
             tiers += [RedisTier(kv_redis_url, codec, kv_redis_ttl)] if kv_redis_url else []
             self.tiers = LowerTiers(codec, tiers, wake=self._wake)
         self.kv = KVManager(self.runner, self.limits.slots, self.limits.kv_cache_bytes, pool, namespace, self.tiers,
                             optimistic=admission == "optimistic")
-        self.scheduler = Scheduler(self.kv, manifest.max_seq_len, self.limits.max_waiting, prefill_tokens,
-                                   solo_prefill_tokens)
+        self.scheduler = Scheduler(self.kv, manifest.max_seq_len, self.limits.max_waiting, prefill_budget,
+                                   solo_prefill_tokens, stall_free)
         self._ids = itertools.count(1)
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="kvforge-engine", daemon=True)
@@ -139,9 +156,38 @@ class LLMEngine:
         with self._cond:
             if self._closed:
                 raise EngineError("the engine is shut down")
-            self.scheduler.add(seq)
+            remote = self.pd is not None and self.pd.accepts(self.kv.uncached_tokens(seq))
+            if remote:
+                self.scheduler.check_room(len(self._remote))
+                self._remote[seq.request_id] = seq
+                self.pd_counters["pd_remote_prefills"] += 1
+            else:
+                self.scheduler.add(seq, len(self._remote))
+                self.pd_counters["pd_local_prefills"] += self.pd is not None
             self._cond.notify()
+        if remote and not self.pd.submit(seq.request_id, seq.tokens[:seq.num_prompt], seq.cache_salt):
+            self._handed_off(seq.request_id, False, {"error": "the prefill worker is not reachable"})
         return seq.request_id
+
+    def _handed_off(self, request_id: int, ok: bool, report: dict) -> None:
+        """The prefill worker is done with a request (or failed it): it joins the queue, its
+        prompt blocks waiting in the hand-off tier (or Redis) as a prefix hit; a failed hand-off
+        is prefilled here."""
+        with self._cond:
+            seq = self._remote.pop(request_id, None)
+            if seq is None:
+                return  # cancelled meanwhile
+            if ok:
+                self.pd_counters["pd_handoffs"] += 1
+                self.pd_counters["pd_handoff_bytes"] += report["bytes"]
+                seq.handoff_seconds = report["write_seconds"]
+            else:
+                log.warning("hand-off of request %d failed (%s): prefilling it here", request_id, report["error"])
+                self.pd_counters["pd_handoff_failures"] += 1
+                self.pd_counters["pd_handoff_expired"] += bool(report.get("expired"))
+                self.pd_counters["pd_local_prefills"] += 1
+            self.scheduler.add(seq, elsewhere=None)
+            self._cond.notify()
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -162,8 +208,14 @@ class LLMEngine:
     def cancel(self, request_id: int) -> bool:
         """Stop a request at the next step and free its slot; False if it is not live."""
         with self._cond:
-            known = self.scheduler.cancel(request_id)
+            remote = self._remote.pop(request_id, None)
+            known = remote is not None or self.scheduler.cancel(request_id)
             self._cond.notify()
+        if remote is not None:  # being prefilled elsewhere: the worker stops, its hand-off is discarded
+            self.pd.cancel(request_id, remote.tokens[:remote.num_prompt], remote.cache_salt)
+            with self._cond:
+                self.scheduler.counters["cancelled"] += 1
+            self._emit([(remote, remote.finish("cancelled"))])
         return known
 
     def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
@@ -202,7 +254,14 @@ class LLMEngine:
         with self._cond:
             s = self.scheduler
             return dict(running=len(s.running), waiting=len(s.waiting), loading=s.loading, slots=self.limits.slots,
-                        prefix_cache=self.kv.pool is not None, **self.kv.stats(), **s.counters)
+                        prefix_cache=self.kv.pool is not None, **self.kv.stats(), **s.counters, **self.pd_counters,
+                        pd_prefill_queue=len(self._remote), pd_prefill_worker_up=int(self.pd is not None and self.pd.up))
+
+    def cached_blocks(self, token_ids: list[int], salt: bytes | None) -> tuple[list[bytes], dict]:
+        """The leading full blocks of a prompt in the prefix cache: hashes and copies (what a
+        prefill worker hands over)."""
+        with self._cond:
+            return self.kv.cached_blocks(token_ids, salt)
 
     def clear_prefix_cache(self) -> int:
         """Forget every cached prefix block (running requests are unaffected); returns how many."""
@@ -234,7 +293,8 @@ class LLMEngine:
             self._emit(outputs)
         with self._cond:
             s = self.scheduler
-            outputs = [(seq, seq.finish("error", "the engine shut down")) for seq in [*s.waiting, *s.running]]
+            left, self._remote = [*s.waiting, *s.running, *self._remote.values()], {}
+            outputs = [(seq, seq.finish("error", "the engine shut down")) for seq in left]
         self._emit(outputs)
 
     def _step(self, batch: Batch) -> list[tuple[Sequence, RequestOutput]]:
@@ -267,6 +327,8 @@ class LLMEngine:
             self._closed = True
             self._cond.notify()
         self._thread.join(timeout)
+        if self.pd is not None:
+            self.pd.close()
         if self.tiers is not None:
             self.tiers.close()  # flushes queued disk / Redis writes within the exit timeout
         if self._thread.is_alive():

@@ -3,22 +3,26 @@ the KV manager (runtime/kv/manager.py) moves rows, sizes buffers and copies pref
 in and out, and the engine (runtime/llm_engine.py) runs each step: schedule -> run -> postprocess.
 
 Running sequences occupy runner rows 0..n-1 (`running[i]` is row i). Between steps, finished
-and cancelled sequences leave (the last row moves into the hole) and waiting ones join. Every
-step feeds rows 0..r-1 a right-padded [r, S] block; each row consumes min(pending, S) tokens and
-samples when it has consumed all it had.
+and cancelled sequences leave (the last row moves into the hole) and waiting ones join, placed
+in front of the decoding rows (so prompt rows come first, in arrival order). A step feeds each
+row num_new[b] of its pending tokens (as a right-padded [rows, S] Batch; the runner packs the
+real tokens); a row samples when it has consumed all it had.
 
-Prefill and decode run as separate steps unless padding them into one step wastes at most
-MIX_PADDING_TOKENS. Measured with the 124M preset on 2 busy cores: one prompt row + 8 decode rows
-at S=16 cost 294 ms mixed vs 108 ms as a prefill step plus a decode step, while 1 decode row
-at S=16 cost 85 ms mixed vs 106 ms separately (a step re-reads all weights, worth ~16 tokens
-of compute). New sequences are placed in front of decoding rows so a prefill step covers a
-short prefix of rows; prefill steps alternate with decode steps and are chunked to
-`prefill_tokens`, so a long prompt delays running sequences by one chunk at most. When no row
-is decoding, prompts go in chunks of `solo_prefill_tokens` instead: nobody waits on the chunk.
+Stall-free (the default; Sarathi-Serve): every step runs every decoding row (one token each)
+plus prompt chunks up to `prefill_budget` tokens, oldest prompt first, so a stream's next token
+waits for at most one budget of prompt compute and no prompt waits behind decode steps. The
+in-place graph takes packed tokens, so mixing costs what the tokens cost. The budget trades the
+streams' inter-token latency against the long prompt's TTFT; measured with
+`python -m bench --sections mixed_load` (small-llama, 4K context, 2 cores):
+When no row decodes, prompts go in chunks of `solo_prefill_tokens`: nobody waits on the chunk.
 
-Chunk size, measured with `python -m bench.prefill EXPORT --rounds 2` on small-llama-32k, fp32,
-2 threads, a fresh prompt per round (medians; the 2 cores were shared with four other jobs,
-load 8-9, so absolute times are ~4x an idle machine's; the ratios are what the constants use):
+BUDGET_TABLE
+
+Alternate (`stall_free=False`; with prefill_budget=256, the policy before issue 20): prompt-chunk
+steps take turns with decode steps, mixed only when padding both into one [rows, S] block wasted at most
+MIX_PADDING_TOKENS (the padded graph made a 1-prompt + 8-decode step at S=16 cost 294 ms mixed
+vs 108 ms apart). Its chunk size, measured with `python -m bench.prefill EXPORT --rounds 2` on
+small-llama-32k, fp32, 2 threads (load 8-9, so absolute times ~4x an idle machine's):
 
     chunk tokens               128    256    512   1024   2048
     1K prompt alone, TTFT s   8.24   8.04   7.63   7.41      -
@@ -28,8 +32,7 @@ load 8-9, so absolute times are ~4x an idle machine's; the ratios are what the c
       longest decode gap s    1.78   2.85   4.74   7.67  16.27
 
 Alone, chunks help up to 512 tokens (attention costs follow the capacity bucket, so a chunk in a
-small bucket is cheaper than the whole prompt in the big one) and cost little beyond that; with
-others decoding, their longest gap grows with the chunk, so they keep 256-token chunks.
+small bucket is cheaper than the whole prompt in the big one): SOLO_PREFILL_TOKENS.
 """
 from __future__ import annotations
 
@@ -44,24 +47,34 @@ from runtime.runners.base import Batch
 from runtime.sequence import RequestOutput, Sequence, Status
 
 MIX_PADDING_TOKENS = 16
-PREFILL_TOKENS = 256
+PREFILL_BUDGET = 48
 SOLO_PREFILL_TOKENS = 512
+MAX_PREFILL_BUDGET = 8192
 # A request loading its prefix from disk / Redis waits at most as long as recomputing it is
 # estimated to take (from the measured prefill rate), but never less than this (thread hand-offs);
 # before any prefill was measured, up to the longer bound.
 LOAD_DEADLINE_FLOOR, LOAD_DEADLINE_UNMEASURED = 0.01, 2.0
 
 
+def check_prefill_budget(budget: int) -> None:
+    if not isinstance(budget, int) or not 2 <= budget <= MAX_PREFILL_BUDGET:
+        raise ValueError(f"the prefill budget must be a whole number of prompt tokens per step in "
+                         f"2..{MAX_PREFILL_BUDGET}, got {budget!r}")
+
+
 class Scheduler:
     """Not thread-safe: the engine serializes calls (schedule and postprocess under its lock)."""
 
     def __init__(self, kv: KVManager, max_seq_len: int, max_waiting: int,
-                 prefill_tokens: int = PREFILL_TOKENS, solo_prefill_tokens: int = SOLO_PREFILL_TOKENS):
+                 prefill_budget: int = PREFILL_BUDGET, solo_prefill_tokens: int = SOLO_PREFILL_TOKENS,
+                 stall_free: bool = True):
+        check_prefill_budget(prefill_budget)
         self.max_seq_len = max_seq_len
         self.kv = kv
         self.max_waiting = max_waiting
-        self.prefill_tokens = prefill_tokens  # per prefill step while other sequences decode
-        self.solo_prefill_tokens = max(prefill_tokens, solo_prefill_tokens)  # when none does
+        self.prefill_budget = prefill_budget  # prompt tokens per step beside the decoding rows
+        self.solo_prefill_tokens = max(prefill_budget, solo_prefill_tokens)  # when no row decodes
+        self.stall_free = stall_free
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[int, Sequence] = {}
@@ -73,9 +86,16 @@ class Scheduler:
                              preempted_recompute=0, row_steps=0)
         self.prefill_tokens_per_second: float | None = None  # measured, for the load-or-recompute choice
 
-    def add(self, seq: Sequence) -> None:
-        if len(self.waiting) >= self.max_waiting:
+    def check_room(self, elsewhere: int = 0) -> None:
+        """Refuse a request when the queue is full; `elsewhere` requests waiting outside the
+        scheduler (being prefilled by the prefill worker) count against its bound too."""
+        if len(self.waiting) + elsewhere >= self.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests); retry later")
+
+    def add(self, seq: Sequence, elsewhere: int | None = 0) -> None:
+        """Queue seq (elsewhere=None: a hand-off coming back, whose place was checked when it arrived)."""
+        if elsewhere is not None:
+            self.check_room(elsewhere)
         self.waiting.append(seq)
         self.requests[seq.request_id] = seq
 
@@ -191,11 +211,28 @@ class Scheduler:
 
     def _next_batch(self) -> Batch:
         pending = [s.pending for s in self.running]
+        decoding = 1 in pending
+        budget = self.prefill_budget if decoding else self.solo_prefill_tokens
+        room = self.kv.step_room(self.running)
+        if not self.stall_free:
+            return self._alternating_batch(pending, budget, room)
+        num_new, left = [], budget
+        for p in pending:  # prompts in row order (arrival order) share the budget; decode rows take 1
+            take = 1 if p == 1 else min(p, left, room)
+            left -= take if p > 1 else 0
+            num_new.append(take)
+        width = max(num_new)
+        kind = "decode" if width == 1 else "mixed" if decoding else "prefill"
+        self.kv.fit_capacity(max(s.num_cached for s in self.running) + width, len(self.running))
+        return Batch.of(kind, self.running, width, num_new)
+
+    def _alternating_batch(self, pending: list[int], budget: int, room: int) -> Batch:
+        """The policy before stall-free steps: a prompt chunk and the decode rows take turns,
+        mixed only when padding them into one [rows, S] block wastes at most MIX_PADDING_TOKENS."""
         prefill_rows = max((i + 1 for i, p in enumerate(pending) if p > 1), default=0)
         if prefill_rows == 0:
             kind, rows, width = "decode", len(pending), 1
         else:
-            budget = self.prefill_tokens if 1 in pending else self.solo_prefill_tokens
             width = min(max(pending[:prefill_rows]), max(1, budget // prefill_rows))
             waste = sum(width - min(p, width) for p in pending)
             if waste <= MIX_PADDING_TOKENS:
@@ -205,17 +242,19 @@ class Scheduler:
             else:
                 kind, rows = "prefill", prefill_rows
         seqs = self.running[:rows]
-        width = min(width, min(self.max_seq_len - s.num_cached for s in seqs))
+        width = min(width, room)
         self.kv.fit_capacity(max(s.num_cached for s in seqs) + width, len(self.running))
         return Batch.of(kind, seqs, width)
 
     # ------------------------------------------------------------------ after a step
 
     def measured(self, batch: Batch, seconds: float) -> None:
-        """How long the runner took for `batch`: prefill steps give the rate that tells loading a
-        prefix from disk / Redis from recomputing it."""
-        if batch.kind == "prefill":
-            rate = int(batch.num_new.sum()) / max(seconds, 1e-6)
+        """How long the runner took for `batch`: steps with prompt chunks give the rate that tells
+        loading a prefix from disk / Redis from recomputing it (a mixed step's decode rows make it
+        slightly pessimistic: loads are then tried a little longer)."""
+        chunks = batch.num_new[batch.num_new > 1]
+        if len(chunks):
+            rate = int(chunks.sum()) / max(seconds, 1e-6)
             old = self.prefill_tokens_per_second
             self.prefill_tokens_per_second = rate if old is None else 0.7 * old + 0.3 * rate
 

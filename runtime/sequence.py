@@ -32,6 +32,7 @@ class RequestOutput:
     output_tokens: int = 0  # generated so far, this output's tokens included
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     queue_seconds: float | None = None  # on the last output: how long the request waited for a slot
+    handoff_seconds: float | None = None  # on the last output, if prefilled remotely: writing its hand-off
     logprobs: list[float] | None = None  # log p of each of token_ids, when the request asked for them
     cum_logprob: float = 0.0  # sum of the log-probs of every token generated so far
 
@@ -40,8 +41,8 @@ class RequestOutput:
         logprobs = self.logprobs + later.logprobs if self.logprobs is not None and later.logprobs is not None else None
         return RequestOutput(self.request_id, self.text + later.text, self.token_ids + later.token_ids,
                              later.finished, later.finish_reason, later.error, later.prompt_tokens,
-                             later.output_tokens, later.cached_tokens, later.queue_seconds, logprobs,
-                             later.cum_logprob)
+                             later.output_tokens, later.cached_tokens, later.queue_seconds, later.handoff_seconds,
+                             logprobs, later.cum_logprob)
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Sequence:
     finish_reason: str | None = None
     arrived: float = field(default_factory=time.perf_counter)
     admitted: float | None = None  # when it got a slot
+    handoff_seconds: float | None = None  # prefilled by the prefill worker: how long its hand-off took to write
     queue_deadline: float | None = None  # perf_counter time by which it must have a slot
     deadline: float | None = None  # perf_counter time by which it must have finished
 
@@ -135,6 +137,7 @@ class Sequence:
         out = self._output(len(self.text))
         out.finished, out.finish_reason, out.error = True, reason, error
         out.queue_seconds = (self.admitted or time.perf_counter()) - self.arrived
+        out.handoff_seconds = self.handoff_seconds
         return out
 
     def _output(self, upto: int) -> RequestOutput:

@@ -17,8 +17,8 @@ from tests.conftest import run_cli
 pytestmark = pytest.mark.timeout(1200)
 
 SECTIONS = ("cache_speedup", "layouts", "kv_dtypes", "peers", "serving", "roofline", "weights", "prefix_cache",
-            "kv_tiers")
-PLOTS = ("cache.png", "layouts.png", "serving.png", "prefix_cache.png", "kv_tiers.png")
+            "kv_tiers", "fleet", "mixed_load")
+PLOTS = ("cache.png", "layouts.png", "serving.png", "prefix_cache.png", "kv_tiers.png", "fleet.png", "mixed_load.png")
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +168,43 @@ def test_kv_tiers_structure(quick_run):
     assert runs["no caching"]["cached_tokens_mean"] == 0 and runs["tiers"]["tier_hit_tokens"].keys() == {"disk", "redis"}
     assert runs["RAM + Redis, Redis killed"]["after_requests"] == section["shape"]["kill_after"]
     assert sum(t["target"].startswith("KV tiers:") for t in results["targets"]) == 5
+
+
+def test_fleet_structure(quick_run):
+    """Issue 22: every policy on both Redis tiers, each request answered, and the replicas' counters
+    account for every prompt token (RAM + Redis + computed)."""
+    _, results, _ = quick_run
+    section = results["fleet"]
+    replicas = section["shape"]["replicas"]
+    runs = [section[tier][workload][policy] for tier in ("redis", "redis_cluster")
+            for workload in ("multi_turn", "shared_document") for policy in ("round-robin", "affinity", "kv")]
+    for run in runs + [section["single_replica"]]:
+        assert run["completed"] == run["requests"] > 0 and not run["errors"], run
+        assert sum(run["hit_percent"].values()) == pytest.approx(100, abs=0.1), run
+        assert sum(r["prompt_tokens"] for r in run["replicas"].values()) > 0
+        assert run["ttft_p99_ms"] >= run["ttft_p50_ms"] > 0
+    assert all(len(run["replicas"]) == replicas for run in runs) and len(section["single_replica"]["replicas"]) == 1
+    killed = section["killed_replica"]  # the router retries what the dead replica had not started answering
+    assert killed["lost_before_first_token"] == 0 and len(killed["replicas"]) == replicas - 1
+    assert sum(t["target"].startswith("Fleet:") for t in results["targets"]) == 6
+
+
+def test_mixed_load_structure(quick_run):
+    """Issue 20: every scheduler configuration streamed beside the long prompts and under load,
+    and the targets judge the default budget against the alternating scheduler."""
+    _, results, _ = quick_run
+    section = results["mixed_load"]
+    assert list(section["configurations"]) == ["alternate"] + [f"stall-free {b}" for b in section["shape"]["budgets"]] \
+        + ["disaggregated", "conditional"]
+    for c in section["configurations"].values():
+        assert len(c["rounds"]) == section["shape"]["rounds"]
+        assert c["itl_during_max_ms"] >= c["itl_during_p99_ms"] > 0 and c["itl_alone_p50_ms"] > 0
+        assert [x["rate"] for x in c["load"]] == list(section["shape"]["rates"])
+        assert all(0 <= x["slo_met"] <= x["long_prompts"] for x in c["load"])
+    handoffs = section["configurations"]["disaggregated"]["handoffs"]  # threshold 0: every prompt goes remote
+    assert handoffs["handoffs"] == handoffs["remote"] > 0 and handoffs["failures"] == 0
+    rows = [t for t in results["targets"] if t["target"].startswith("mixed_load:")]
+    assert len(rows) == 5 and all(t["met"] in (True, False) for t in rows[:2] + rows[3:])
 
 
 def test_plots_and_targets_table(quick_run):

@@ -18,6 +18,7 @@ from runtime.runners import ort as ort_runner
 from runtime.greedy import Greedy
 from runtime.runners import open_runner
 from runtime.runners.ort import OrtInplaceRunner
+from runtime.runners.base import pack_step
 from tests.conftest import run_cli
 
 PROMPTS = {"a": [5, 17, 300, 42, 9, 77, 1000], "b": [8, 9], "c": [1200, 3, 4, 5, 6], "d": [33, 34, 35, 36]}
@@ -88,9 +89,8 @@ def _step_logging_inplace_warnings(directory, capfd, alias: bool):
             r.step(np.array([[7, 8, 9], [10, 11, 12]]), np.array([3 * step, 3 * step]), np.array([3, 3]))
         return r, pointers, capfd.readouterr().err
     binding = r.session.io_binding()  # control: present bound to a different buffer
-    binding.bind_cpu_input("input_ids", np.array([[7], [8]]))
-    binding.bind_cpu_input("write_positions", np.array([0, 0]))
-    binding.bind_cpu_input("logit_positions", np.array([[0], [0]]))
+    for name, value in pack_step(np.array([[7], [8]]), np.array([0, 0]), np.array([1, 1]), np.array([[0], [0]])).items():
+        binding.bind_cpu_input(name, value)
     binding.bind_output("logits")
     for past, present in r.pairs:
         binding.bind_ortvalue_input(past, OrtValue.ortvalue_from_numpy(r.buffers[past]))

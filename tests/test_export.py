@@ -50,9 +50,10 @@ def test_verify_cli_prints_parity(exports):
 def test_inplace_graph_uses_tensorscatter_and_attention(exports):
     model = onnx.load(str(exports("inplace", "fp32") / "model.onnx"))
     ops = [n.op_type for n in model.graph.node]
-    assert ops.count("TensorScatter") == 2 * 2 and ops.count("Attention") == 2  # K and V per layer, 2 layers
+    # 2 layers: K and V written per layer; a chunk and a decode Attention per layer (InplaceStep)
+    assert ops.count("TensorScatter") == 2 * 2 and ops.count("Attention") == 2 * 2
     assert model.opset_import[0].version == 24
-    dims = [d.dim_param for d in model.graph.input[3].type.tensor_type.shape.dim]  # after logit_positions
+    dims = [d.dim_param for d in model.graph.input[7].type.tensor_type.shape.dim]  # after logit_index
     assert dims[0] == "batch" and dims[2] == "capacity"
 
 
@@ -102,7 +103,7 @@ def test_manifest_round_trip(exports, tmp_path):
     assert data["format_version"] == FORMAT_VERSION
     assert data["kv"]["bytes_per_token"] == kv_bytes_per_token(manifest.model, "int8")
     names = [t["name"] for t in data["io"]["inputs"]]
-    assert names[:2] == ["input_ids", "write_positions"] and "past_key_values.1.value_scale" in names
+    assert names[:3] == ["input_ids", "positions", "write_positions"] and "past_key_values.1.value_scale" in names
     assert {"torch", "onnx", "transformers", "exporter"} <= data["versions"].keys()
     assert data["tokenizer"]["eos_token_ids"] == [2] and "tokenizer.json" in data["tokenizer"]["files"]
 

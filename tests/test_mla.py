@@ -128,7 +128,7 @@ def test_manifest_fields_and_latent_tensors(mla_exports):
     inputs = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
     assert inputs["past_key_values.0.latent"] == ["batch", 1, "capacity", 40]
     ops = [n.op_type for n in model.graph.node]
-    assert ops.count("TensorScatter") == 2 and ops.count("Attention") == 2  # one latent per layer
+    assert ops.count("TensorScatter") == 2 and ops.count("Attention") == 4  # one latent, chunk + decode per layer
     assert {n.domain for n in model.graph.node} <= {"", "ai.onnx"}  # only standard ops, no contrib kernels
     assert all(o.domain in ("", "ai.onnx") for o in model.opset_import)
 
@@ -213,7 +213,7 @@ def test_continuous_batching_equals_solo(mla_exports):
 
     directory = mla_exports("v3-interleave-qlora-yarn")
     prompts, max_tokens = _prompts(), [30, 12, 24, 40]
-    with LLMEngine(directory, slots=3, prefill_tokens=32, threads=1) as engine:
+    with LLMEngine(directory, slots=3, prefill_budget=32, threads=1) as engine:
         results = engine.generate(prompts, [SamplingParams(max_tokens=n) for n in max_tokens])
         stats = engine.stats()
     assert stats["multi_row_steps"] > 5 and stats["max_rows"] == 3

@@ -6,9 +6,9 @@ import numpy as np
 import onnx
 import pytest
 
-from kvforge.manifest import Manifest
+from kvforge.manifest import Manifest, io_tensors
 from runtime.runners import open_runner
-from runtime.runners.base import last_positions
+from runtime.runners.base import last_positions, pack_step
 
 LENGTHS = (37, 5, 64, 1)  # right-padded rows of different lengths, one of a single token
 CHUNK = 24  # prompts go in chunks, so a chunk's last real position differs per row
@@ -69,11 +69,14 @@ def test_inplace_graph_projects_only_the_asked_positions(exports):
     out = runner.step(ids, np.zeros(2, np.int64), np.array([10, 7]), np.array([[9, 0, 4], [6, 6, 1]]))
     assert out.shape == (2, 3, manifest.model.vocab_size)
     graph = onnx.load(str(directory / "model.onnx"), load_external_data=False).graph
-    assert [i.name for i in graph.input[:3]] == ["input_ids", "write_positions", "logit_positions"]
-    assert [d.dim_param for d in graph.output[0].type.tensor_type.shape.dim[:2]] == ["batch", "kept"]
-    # the lm_head MatMul reads the gathered hidden states, not every position
-    gathered = {n.output[0] for n in graph.node if n.op_type == "GatherElements"}
-    assert gathered, "no GatherElements before the lm_head"
+    assert [i.name for i in graph.input[:7]] == ["input_ids", "positions", "write_positions", "row_tokens",
+                                                  "chunk_extent", "token_slots", "logit_index"]
+    assert graph.output[0].type.tensor_type.shape.dim[0].dim_param == "kept"
+    # the final norm and lm_head read the hidden states gathered at logit_index, not every token
+    producer = {out: n for n in graph.node for out in n.output}
+    gather = producer[[n for n in graph.node if n.op_type == "RMSNormalization"][-1].input[0]]
+    index = producer.get(gather.input[1])
+    assert gather.op_type == "Gather" and "logit_index" in (gather.input[1], *(index.input if index else ()))
     for bad, message in (([[10], [0]], "0..9"), ([[-1], [0]], "0..9"), ([[0]], r"\[rows=2")):
         with pytest.raises(ValueError, match=message):
             runner.step(ids, np.zeros(2, np.int64), np.array([10, 7]), np.array(bad))
@@ -92,8 +95,8 @@ def test_concat_export_keeps_the_optimum_contract(exports):
 
 
 def test_eager_model_gathers_like_the_export(exports):
-    """export/model.py eagerly: the inplace model's logits at logit_positions equal the concat
-    model's logits at those positions (the parity path the exporter is checked against)."""
+    """export/model.py eagerly, fed by the runner's pack_step: the inplace model's logits at
+    logit_index equal the concat model's at those positions (the path the exporter is checked against)."""
     import torch
 
     from export import checkpoint
@@ -105,12 +108,15 @@ def test_eager_model_gathers_like_the_export(exports):
     _, concat = checkpoint.load_model(source, "concat", KV_DTYPES["fp32"])
     spec = inplace.spec
     ids = torch.randint(3, spec.vocab_size, (2, 9))
-    positions = torch.tensor([[8], [3]])
+    num_new, positions = np.array([9, 6]), np.array([[8], [5]])
+    feeds = pack_step(ids.numpy(), np.zeros(2, np.int64), num_new, positions)
     with torch.no_grad():
         buffers = [torch.zeros(2, spec.num_kv_heads, 16, spec.head_dim)] * (2 * spec.num_layers)
-        kept = inplace.eval()(ids, torch.zeros(2, dtype=torch.int64), positions, *buffers)[0]
+        args = [torch.from_numpy(feeds[t.name]) for t in io_tensors(spec, "inplace", "fp32")[0][:7]]
+        kept = inplace.eval()(*args, *buffers)[0]
         empty = [torch.zeros(2, spec.num_kv_heads, 0, spec.head_dim)] * (2 * spec.num_layers)
-        every = concat.eval()(ids, torch.ones_like(ids), torch.arange(9).repeat(2, 1), *empty)[0]
-    assert kept.shape == (2, 1, spec.vocab_size)
-    torch.testing.assert_close(kept, torch.gather(every, 1, positions[:, :, None].expand(-1, -1, spec.vocab_size)),
+        mask = torch.from_numpy((np.arange(9)[None] < num_new[:, None]).astype(np.int64))
+        every = concat.eval()(ids, mask, torch.arange(9).repeat(2, 1), *empty)[0]
+    assert kept.shape == (2, spec.vocab_size)
+    torch.testing.assert_close(kept, every[[0, 1], [8, 5]],
                                atol=1e-5, rtol=0)

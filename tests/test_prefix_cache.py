@@ -142,7 +142,7 @@ def test_eight_requests_sharing_a_prefix_joining_at_different_times(fp32):
     prompts = [DOCUMENT + q for q in QUESTIONS]
     with LLMEngine(fp32, prefix_cache=False) as engine:
         alone = [engine.generate([p], greedy(40))[0].token_ids for p in prompts]
-    with LLMEngine(fp32, slots=8, prefill_tokens=64) as engine:
+    with LLMEngine(fp32, slots=8, prefill_budget=64) as engine:
         results: dict[int, list[int]] = {}
         cached: dict[int, int] = {}
         done = threading.Semaphore(0)
@@ -172,7 +172,7 @@ def test_a_burst_with_one_prefix_computes_it_once(fp32):
     with LLMEngine(fp32, prefix_cache=False) as engine:
         alone = [r.token_ids for r in engine.generate(prompts, greedy(16))]
     # generate() hands all four over at once; 64-token chunks make the document take several steps
-    with LLMEngine(fp32, slots=4, prefill_tokens=64, solo_prefill_tokens=64) as engine:
+    with LLMEngine(fp32, slots=4, prefill_budget=64, solo_prefill_tokens=64) as engine:
         outs = engine.generate(prompts, greedy(16))
         stats = engine.stats()
     assert [o.token_ids for o in outs] == alone

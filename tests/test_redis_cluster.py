@@ -21,11 +21,12 @@ CHAINS, CHAIN_BLOCKS = 24, 3 * PLACEMENT_BLOCKS
 
 
 def free_cluster_ports(count: int) -> list[int]:
-    """Ports p <= 55535 with p and its cluster bus p + 10000 free right now."""
+    """Ports p with p and its cluster bus p + 10000 free right now, both below the kernel's ephemeral
+    range (32768..) so no client socket of a concurrent test can take one before the node binds it."""
     rng = random.Random()
     ports: list[int] = []
     while len(ports) < count:
-        port = rng.randrange(20000, 45000)
+        port = rng.randrange(11000, 22700)
         if port in ports or port + BUS_OFFSET in ports:
             continue
         try:

@@ -1,5 +1,6 @@
 """The KV-aware router (frontend/router.py) in front of two real replicas (launchers), as a child
-process; a fake replica (a small HTTP server) where a failure must happen on cue.
+process, with each routing policy; a fake replica (a small HTTP server) where a failure must
+happen on cue.
 
 Which replica served a request is read from the router's /metrics (requests per replica), cached
 tokens from the responses: nothing here depends on timing but generous polling bounds.
@@ -56,21 +57,21 @@ def replica_spec(server) -> str:
     return f"http://{server.http_url},http://{host}:{server.openai_port},http://{host}:{server.metrics_port}"
 
 
-def run_router(repo: Path, specs: list[str], port: int, log: Path) -> subprocess.Popen:
+def run_router(repo: Path, specs: list[str], port: int, log: Path, policy: str) -> subprocess.Popen:
     with open(log, "ab") as out:
         return subprocess.Popen([sys.executable, "-m", "frontend.router", "--repo", str(repo), "--port", str(port),
-                                 *[a for spec in specs for a in ("--replica", spec)]],
+                                 "--policy", policy, *[a for spec in specs for a in ("--replica", spec)]],
                                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
 
 
 @contextlib.contextmanager
-def router_over(repo: Path, specs: list[str], tmp: Path):
+def router_over(repo: Path, specs: list[str], tmp: Path, policy: str = "kv"):
     """The router as a child process on a free port, serving once it answers /health."""
     from launcher.tritonserver import free_ports
 
     port = free_ports(1)[0]
     log = tmp / f"router-{port}.log"
-    process = run_router(repo, specs, port, log)
+    process = run_router(repo, specs, port, log, policy)
     url = f"http://127.0.0.1:{port}"
 
     def answers():
@@ -148,9 +149,19 @@ def idle(url: str) -> None:
           "every replica idle")
 
 
-def generate(url: str, prompt: str, **fields) -> httpx.Response:
+def generate(url: str, prompt: str, session: str | None = None, **fields) -> httpx.Response:
     return httpx.post(f"{url}/v2/models/llm/generate", json={"text_input": prompt, "max_tokens": 2, **fields},
-                      timeout=WAIT)
+                      headers={"X-Session-ID": session} if session else {}, timeout=WAIT)
+
+
+def served_by(url: str, send) -> str:
+    """The replica that served send()'s one request (from the router's request counts)."""
+    idle(url)
+    before = metrics(url)
+    response = send()
+    assert response.status_code == 200, response.text
+    (replica,) = delta(before, metrics(url), "kvforge_router_requests_total")
+    return replica
 
 
 def test_a_repeated_prompt_goes_back_to_the_replica_that_cached_it(router):
@@ -184,6 +195,44 @@ def test_a_repeated_prompt_goes_back_to_the_replica_that_cached_it(router):
     assert usages[0] == 0 and usages[1] > 0
 
 
+def test_round_robin_takes_the_replicas_in_turn_whatever_they_cache(repo, replicas, tmp_path):
+    prompt = text(11)
+    with router_over(repo, [replica_spec(s) for s in replicas], tmp_path, policy="round-robin") as url:
+        order = [served_by(url, lambda: generate(url, prompt)) for _ in range(4)]
+    assert order in (["1", "2", "1", "2"], ["2", "1", "2", "1"]), order
+
+
+def test_affinity_keeps_a_session_on_one_replica_and_falls_back_to_kv_without_one(repo, replicas, tmp_path):
+    with router_over(repo, [replica_spec(s) for s in replicas], tmp_path, policy="affinity") as url:
+        homes = {}
+        for i in range(8):  # every request of a session on one replica, whatever its prompt
+            session = f"session-{i}"
+            served = {served_by(url, lambda: generate(url, text(20 + 2 * i + k, words=40), session)) for k in range(2)}
+            assert len(served) == 1, (session, served)
+            homes[session] = served.pop()
+        assert set(homes.values()) == {"1", "2"}, homes  # the sessions' hashes cover both replicas
+        # the OpenAI API's `user` names the session when the header does not
+        chat = {"model": "llm", "messages": [{"role": "user", "content": text(40, words=40)}], "max_tokens": 2,
+                "user": "session-0"}
+        assert served_by(url, lambda: httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=WAIT)) == \
+            homes["session-0"]
+        # no session: the prefix decides (kv); a session homed elsewhere wins over the cached prefix
+        cached_on = homes["session-0"]
+        elsewhere = next(s for s, home in homes.items() if home != cached_on)
+        prompt = text(41)
+        assert served_by(url, lambda: generate(url, prompt, "session-0")) == cached_on
+        assert served_by(url, lambda: generate(url, prompt)) == cached_on
+        assert served_by(url, lambda: generate(url, prompt, elsewhere)) != cached_on
+
+
+def test_a_bad_policy_is_refused_at_start_with_one_line(repo):
+    result = subprocess.run([sys.executable, "-m", "frontend.router", "--repo", str(repo), "--policy", "random",
+                             "--replica", "http://127.0.0.1:1,http://127.0.0.1:1,http://127.0.0.1:1"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=WAIT)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == "error: --policy must be one of kv, round-robin, affinity, got 'random'"
+
+
 def test_prompts_without_a_shared_prefix_spread_over_both_replicas(router):
     before = metrics(router)
     for seed in range(100, 106):
@@ -195,6 +244,30 @@ def test_prompts_without_a_shared_prefix_spread_over_both_replicas(router):
     # equal load, nothing cached: the tie-breaker evens out the requests each replica got
     totals = per_replica(after, "kvforge_router_requests_total")
     assert abs(totals["1"] - totals["2"]) <= 1, totals
+
+
+def test_a_turns_answer_is_indexed_for_the_next_turn(router):
+    """The next turn resends prompt + answer: the router predicts the answer's blocks cached too,
+    as many as the replica reports (token ids, so no retokenization blurs the count)."""
+    rng = random.Random(9)
+    first = [rng.randrange(3, 200) for _ in range(100)]  # 6 full blocks and 4 tokens
+    idle(router)
+    answer = httpx.post(f"{router}/v2/models/llm/generate", timeout=WAIT,
+                        json={"input_ids": first, "input_lengths": len(first), "request_output_len": 40})
+    assert answer.status_code == 200, answer.text
+    output = answer.json()["output_ids"]
+    assert len(output) == 40
+    following = first + output + [rng.randrange(3, 200) for _ in range(20)]
+    idle(router)
+    before = metrics(router)
+    second = httpx.post(f"{router}/v2/models/llm/generate", timeout=WAIT,
+                        json={"input_ids": following, "input_lengths": len(following), "request_output_len": 2})
+    after = metrics(router)
+    assert second.status_code == 200, second.text
+    # the engine holds the KV of 100 + 39 tokens (the last answer token was never fed back): 8 blocks
+    assert second.json()["cached_tokens"] == 8 * 16
+    (replica,) = delta(before, after, "kvforge_router_requests_total")
+    assert delta(before, after, "kvforge_router_predicted_cached_tokens_total") == {replica: 8 * 16}
 
 
 def test_another_cache_salt_gets_no_predicted_hit(router):
@@ -348,6 +421,26 @@ def test_a_request_failing_before_its_first_token_is_retried_on_another_replica(
             assert after["kvforge_router_retries_total"] == before["kvforge_router_retries_total"] + 1, mode
             assert delta(before, after, "kvforge_router_failed_attempts_total") == {"1": 1}, mode
             assert delta(before, after, "kvforge_router_requests_total") == {"2": 1}, mode
+
+
+def test_affinity_falls_back_when_the_sessions_replica_is_not_ready(repo, replicas, fake, tmp_path):
+    from frontend.router import session_home
+
+    session = next(f"session-{i}" for i in range(100) if session_home(f"session-{i}", 2) == 0)  # the fake's
+    with router_over(repo, [fake.spec, replica_spec(replicas[0])], tmp_path, policy="affinity") as url:
+        idle(url)
+        before = metrics(url)
+        assert generate(url, text(50, words=20), session).status_code == 200  # the fake refused it first
+        after = metrics(url)
+        assert delta(before, after, "kvforge_router_failed_attempts_total") == {"1": 1}
+        fake.ready = False
+        until(lambda: per_replica(metrics(url), "kvforge_router_replica_ready") == {"1": 0, "2": 1},
+              "the fake out of the rotation")
+        before = metrics(url)
+        assert generate(url, text(51, words=20), session).status_code == 200
+        after = metrics(url)
+        assert delta(before, after, "kvforge_router_failed_attempts_total") == {}
+        assert delta(before, after, "kvforge_router_requests_total") == {"2": 1}
 
 
 def test_a_stream_broken_after_its_first_token_ends_with_an_error_event(repo, fake, tmp_path):

@@ -36,7 +36,7 @@ def wait_for(event: threading.Event, what: str) -> None:
 
 
 def test_greedy_batched_equals_unbatched_reference(engine_dir):
-    with LLMEngine(engine_dir, slots=3, prefill_tokens=32) as engine:
+    with LLMEngine(engine_dir, slots=3, prefill_budget=32) as engine:
         prompt_ids = [engine.tokenizer.encode(p) for p in PROMPTS]
         assert max(map(len, prompt_ids)) > 64  # forces prompt chunks and a bigger capacity bucket
         # different lengths: sequences leave at different steps, so rows move and others join

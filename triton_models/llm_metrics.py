@@ -39,6 +39,18 @@ METRICS = [
     ("expired", "kvforge_expired_requests_total", "Requests ended by the queue or request timeout", "COUNTER"),
     ("cancel_poll_seconds", "kvforge_cancel_poll_seconds_total",
      "CPU seconds the sender spent asking whether clients went away (the cost of cancellation)", "COUNTER"),
+    # prefill/decode disaggregation (runtime/disaggregation.py); all 0 when serving aggregated
+    ("pd_remote_prefills", "kvforge_pd_remote_prefills_total", "Prompts sent to the prefill worker", "COUNTER"),
+    ("pd_local_prefills", "kvforge_pd_local_prefills_total",
+     "Prompts the decode engine prefilled itself while disaggregated (short, cached, worker busy or failed)",
+     "COUNTER"),
+    ("pd_handoffs", "kvforge_pd_handoffs_total", "Prefilled prompts handed over to the decode engine", "COUNTER"),
+    ("pd_handoff_bytes", "kvforge_pd_handoff_bytes_total", "Bytes of KV handed over", "COUNTER"),
+    ("pd_handoff_failures", "kvforge_pd_handoff_failures_total",
+     "Hand-offs that failed or timed out (each prompt prefilled by the decode engine instead)", "COUNTER"),
+    ("pd_handoff_expired", "kvforge_pd_handoff_expired_total", "Hand-offs given up at their timeout", "COUNTER"),
+    ("pd_prefill_queue", "kvforge_pd_prefill_queue", "Prompts at the prefill worker now", "GAUGE"),
+    ("pd_prefill_worker_up", "kvforge_pd_prefill_worker_up", "1 while the prefill worker is connected", "GAUGE"),
 ]
 # per lower tier (label tier="disk" | "redis"): engine stats["tiers"][tier] key -> custom metric
 TIER_METRICS = [
@@ -63,6 +75,7 @@ HISTOGRAMS = [
     ("inter_token", "kvforge_inter_token_seconds", "Between a stream's consecutive responses, per token"),
     ("queue", "kvforge_queue_wait_seconds", "From arrival until the request got a KV slot"),
     ("e2e", "kvforge_request_seconds", "From arrival to the final response"),
+    ("handoff", "kvforge_pd_handoff_seconds", "Writing a prefilled prompt's KV to the hand-off, acknowledged"),
 ]
 
 

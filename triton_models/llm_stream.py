@@ -242,6 +242,8 @@ class ResponseSender:
         self.metrics.observe("e2e", now - stream.arrived)
         if out.queue_seconds is not None:
             self.metrics.observe("queue", out.queue_seconds)
+        if out.handoff_seconds is not None:
+            self.metrics.observe("handoff", out.handoff_seconds)
         ttft = stream.first_token - stream.arrived if stream.first_token else None
         self.log(dict(request_id=stream.log_id, engine_id=stream.request_id, stream=stream.stream,
                       prompt_tokens=out.prompt_tokens, output_tokens=out.output_tokens,

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from kvforge.block_hash import block_hash, placement_tags, root_hash
+from kvforge.block_hash import block_hash, chain, placement_tags, root_hash
 from runtime.kv.block_pool import HostBlockPool
 from runtime.kv.tiers.lower import LowerTiers
 from runtime.runners.base import Runner
@@ -109,6 +109,17 @@ class KVManager:
             self.runner.resize(self.runner.capacity, sequences - 1, slots=rows)
             self.counters["resizes"] += 1
 
+    def step_room(self, running: list[Sequence]) -> int:
+        """The widest next step for `running`: a step writes a window of its width into every row
+        (the in-place scatter), so every row's cache plus the width must fit the largest capacity
+        whose buffers stay within kv_cache_bytes (and max_seq_len). At least 1: fits() holds."""
+        rows = self._rows_for(len(running))
+        lo, hi = 1, self.runner.manifest.max_seq_len
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self._slot_bytes(rows, mid) <= self.kv_cache_bytes else (lo, mid - 1)
+        return max(1, lo - max(s.num_cached for s in running))
+
     def fit_capacity(self, tokens: int, rows: int) -> None:
         """A capacity holding `tokens` for packed rows 0..rows-1. Growing drops spare rows too:
         admission checked rows_for(running) x the longest promise against the budget."""
@@ -176,6 +187,19 @@ class KVManager:
         hashes = self._hashes(seq, (seq.num_prompt - 1) // self.block_tokens)
         hit = self.pool.lookup(hashes)
         return hit, len(hit) < len(hashes) and hashes[len(hit)] in self.in_flight
+
+    def uncached_tokens(self, seq: Sequence) -> int:
+        """Prompt tokens seq would compute if admitted now (its RAM prefix hit aside)."""
+        return seq.num_prompt - len(self.match(seq)[0]) * self.block_tokens
+
+    def cached_blocks(self, token_ids: list[int], salt: bytes | None) -> tuple[list[bytes], dict]:
+        """The hashes and copies of the leading full blocks of token_ids (the last token's block
+        never: a prompt's last token is always recomputed) that the pool holds."""
+        if self.pool is None:
+            return [], {}
+        hashes = chain(self.namespace, salt, token_ids, (len(token_ids) - 1) // self.block_tokens, self.block_tokens)
+        found = self.pool.lookup(hashes)
+        return hashes[:len(found)], self.pool.get(found)
 
     def admit(self, seq: Sequence, row: int, hit: list[int], rows: int) -> None:
         """seq now owns row `row` of `rows` packed rows: copy its cached prefix in, and announce the prompt blocks

@@ -31,10 +31,13 @@ class Batch:
     num_new: np.ndarray  # [rows]
 
     @classmethod
-    def of(cls, kind: str, seqs, width: int) -> "Batch":
-        """Up to `width` pending tokens of each sequence (anything with tokens and num_cached)."""
+    def of(cls, kind: str, seqs, width: int, num_new=None) -> "Batch":
+        """The next num_new[b] (default: up to `width`) pending tokens of each sequence (anything
+        with tokens and num_cached); a row may feed none."""
         input_ids = np.zeros((len(seqs), width), np.int64)
-        num_new = np.minimum([len(s.tokens) - s.num_cached for s in seqs], width)
+        if num_new is None:
+            num_new = np.minimum([len(s.tokens) - s.num_cached for s in seqs], width)
+        num_new = np.asarray(num_new, np.int64)
         for b, s in enumerate(seqs):
             input_ids[b, :num_new[b]] = s.tokens[s.num_cached:s.num_cached + num_new[b]]
         return cls(kind, input_ids, np.array([s.num_cached for s in seqs], np.int64), num_new)
@@ -127,9 +130,35 @@ class Runner(ABC):
         return lo, min((start + n) * tokens, self.capacity)
 
 
+def pack_step(input_ids: np.ndarray, write_positions: np.ndarray, num_new: np.ndarray,
+              logit_positions: np.ndarray) -> dict[str, np.ndarray]:
+    """The inplace graph's inputs (kvforge.manifest.io_tensors) for a right-padded step: the real
+    tokens packed row after row; the chunk rows are 0..P-1, P = 1 + the last row feeding more than
+    one token (a one-token row among them still takes its output from the decode query); their
+    key span L covers the multi-token rows only. With none, row 0 stands in as a chunk of one query
+    over one key (ONNX Runtime's Attention needs a batch), its output unused."""
+    rows, width = input_ids.shape
+    num_new = np.asarray(num_new, np.int64)
+    real = np.arange(width)[None, :] < num_new[:, None]
+    if not real.any():
+        raise ValueError("a step needs at least one new token")
+    starts = np.cumsum(num_new) - num_new
+    row_tokens = np.where(real, starts[:, None] + np.arange(width), 0)
+    multi = np.flatnonzero(num_new > 1)
+    chunk_rows = int(multi[-1]) + 1 if len(multi) else 1
+    chunk_keys = int((write_positions[multi] + num_new[multi]).max()) if len(multi) else 1
+    slots = np.where(num_new[:, None] > 1, np.arange(rows)[:, None] * width + np.arange(width),
+                     chunk_rows * width + np.arange(rows)[:, None])
+    return {"input_ids": input_ids[real], "positions": (write_positions[:, None] + np.arange(width))[real],
+            "write_positions": write_positions, "row_tokens": row_tokens,
+            "chunk_extent": np.array([chunk_rows, chunk_keys], np.int64), "token_slots": slots[real],
+            "logit_index": np.take_along_axis(row_tokens, logit_positions, axis=1).ravel()}
+
+
 def last_positions(num_new: np.ndarray) -> np.ndarray:
-    """The logit_positions generation samples: each row's last real position, [rows, 1]."""
-    return (np.asarray(num_new, np.int64) - 1)[:, None]
+    """The logit_positions generation samples: each row's last real position, [rows, 1] (0 for a
+    row feeding nothing this step, whose logits go unused)."""
+    return np.maximum(np.asarray(num_new, np.int64) - 1, 0)[:, None]
 
 
 def all_positions(rows: int, seq: int) -> np.ndarray:

@@ -16,7 +16,7 @@ import numpy as np
 
 from kvforge import env
 from kvforge.manifest import Manifest, ManifestError, kv_buffer_shape, kv_pairs
-from runtime.runners.base import Blocks, Runner, as_blocks, as_tokens
+from runtime.runners.base import Blocks, Runner, as_blocks, as_tokens, pack_step
 
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "uint8": np.uint8}
 
@@ -76,9 +76,8 @@ class OrtInplaceRunner(_OrtRunner):
         positions = self.check_step(input_ids, write_positions, np.asarray(num_new), logit_positions)
         rows = input_ids.shape[0]
         binding = self.session.io_binding()
-        binding.bind_cpu_input("input_ids", input_ids)
-        binding.bind_cpu_input("write_positions", write_positions)
-        binding.bind_cpu_input("logit_positions", positions)
+        for name, value in pack_step(input_ids, write_positions, num_new, positions).items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(value, dtype=np.int64))
         binding.bind_output("logits")
         for past, present in self.pairs:
             # rows 0..rows-1 of a C-contiguous buffer are one contiguous block: a view, not a copy.
@@ -86,7 +85,7 @@ class OrtInplaceRunner(_OrtRunner):
             binding.bind_ortvalue_input(past, value)
             binding.bind_ortvalue_output(present, value)
         self.session.run_with_iobinding(binding)
-        return binding.get_outputs()[0].numpy()
+        return binding.get_outputs()[0].numpy().reshape(rows, positions.shape[1], -1)
 
     def move(self, src, dst, length):
         for buf in self.buffers.values():

@@ -16,7 +16,7 @@ import numpy as np
 from kvforge.manifest import ITEMSIZE, Manifest, ManifestError, kv_buffer_shape, kv_pairs
 from kvforge.tensorrt_host import capturing_logger, check_engine_match, cuda, missing_requirement, platform, \
     read_plan
-from runtime.runners.base import Blocks, Runner, as_blocks, as_tokens
+from runtime.runners.base import Blocks, Runner, as_blocks, as_tokens, pack_step
 
 
 class TensorRTRunner(Runner):
@@ -48,8 +48,9 @@ class TensorRTRunner(Runner):
         self.pairs = kv_pairs(manifest.model, manifest.kv_dtype)
         self.specs = {t.name: t for t in manifest.io()[0]}
         self.plan_capacity = self.engine.get_tensor_shape(self.pairs[0][0])[2]
-        self.max_rows, self.max_seq = self.engine.get_tensor_profile_shape("input_ids", 0)[2]
+        self.max_rows, self.max_seq = self.engine.get_tensor_profile_shape("row_tokens", 0)[2]
         self.buffers: dict[str, tuple[int, int]] = {}  # name -> (device pointer, bytes)
+        self.host_inputs: dict[str, np.ndarray] = {}  # kept alive until the step has read them
 
     def bucket_for(self, tokens: int) -> int:
         if tokens > self.plan_capacity:
@@ -87,6 +88,12 @@ class TensorRTRunner(Runner):
         cuda(self.cudart.cudaStreamSynchronize(self.stream))
 
     def _upload(self, name: str, array: np.ndarray) -> None:
+        if self.engine.is_shape_inference_io(name):
+            # chunk_extent sets the chunk's Slice bounds: TensorRT reads such inputs from host memory
+            self.host_inputs[name] = array
+            self.context.set_input_shape(name, array.shape)
+            self.context.set_tensor_address(name, array.ctypes.data)
+            return
         ptr = self._device(name, array.nbytes)
         cuda(self.cudart.cudaMemcpyAsync(ptr, array.ctypes.data, array.nbytes,
                                          self.cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, self.stream))
@@ -100,15 +107,14 @@ class TensorRTRunner(Runner):
         rows, seq = input_ids.shape
         if seq > self.max_seq:
             raise ValueError(f"{seq} new tokens in one step exceed the plan's profile (max {self.max_seq})")
-        self._upload("input_ids", input_ids)
-        self._upload("write_positions", write_positions)
-        self._upload("logit_positions", positions)
+        for name, value in pack_step(input_ids, write_positions, num_new, positions).items():
+            self._upload(name, np.ascontiguousarray(value, dtype=np.int64))
         for past, present in self.pairs:
             ptr = self.buffers[past][0]
             self.context.set_input_shape(past, self._shape(past, rows))
             self.context.set_tensor_address(past, ptr)
             self.context.set_tensor_address(present, ptr)  # the same memory: updated in place
-        logits = np.empty((rows, positions.shape[1], self.manifest.model.vocab_size), np.float32)
+        logits = np.empty((rows * positions.shape[1], self.manifest.model.vocab_size), np.float32)
         out = self._device("logits", logits.nbytes)
         self.context.set_tensor_address("logits", out)
         if not self.context.execute_async_v3(int(self.stream)):
@@ -117,7 +123,7 @@ class TensorRTRunner(Runner):
         cuda(self.cudart.cudaMemcpyAsync(logits.ctypes.data, out, logits.nbytes,
                                          self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream))
         cuda(self.cudart.cudaStreamSynchronize(self.stream))
-        return logits
+        return logits.reshape(rows, positions.shape[1], -1)
 
     def move(self, src, dst, length):
         for past, _ in self.pairs:

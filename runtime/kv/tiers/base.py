@@ -18,7 +18,7 @@ from runtime.kv.tiers.codec import Arrays
 
 LATENCY_SAMPLES = 256
 # used until a tier has measured itself (bytes/s); deliberately optimistic so a first load is tried
-INITIAL_BANDWIDTH = {"disk": 500e6, "redis": 100e6}
+INITIAL_BANDWIDTH = {"disk": 500e6, "redis": 100e6, "handoff": 2e9}
 
 
 class TierStats:
@@ -65,6 +65,7 @@ class Tier(ABC):
     enabled = True  # False once the tier switched itself off
     bytes_used = 0  # bytes it holds, where it knows (0: not tracked)
     keeps_evictions = False  # takes the blocks RAM evicts (a local tier; a shared one got them by write-behind)
+    write_behind = True  # the engine writes its new blocks to it (not to a hand-off: a prefill worker does)
 
     def contains(self, block_hash: bytes) -> bool:
         """Whether the tier is known to hold the block (False when it cannot tell cheaply)."""

@@ -79,7 +79,8 @@ class LowerTiers:
                 batch.append(item)
             encoded = [(h, tag, self.codec.encode(h, arrays), tiers) for h, tag, arrays, tiers in batch]
             for tier in self.tiers:
-                mine = [(h, tag, raw) for h, tag, raw, tiers in encoded if tiers is None or tier in tiers]
+                mine = [(h, tag, raw) for h, tag, raw, tiers in encoded
+                        if (tier.write_behind if tiers is None else tier in tiers)]
                 if mine:
                     tier.put_many([(h, raw) for h, _, raw in mine], [tag for _, tag, _ in mine])
 

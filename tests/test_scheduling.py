@@ -1,0 +1,132 @@
+"""Stall-free scheduling over packed steps (issue 20): a step runs every decoding row plus prompt
+chunks up to the prefill budget; the packed in-place graph makes that cost only the real tokens.
+
+Asserted through what the scheduler and runner did (spies on the real runner), never how fast."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from kvforge import env
+from runtime.llm_engine import LLMEngine, SamplingParams
+from runtime.runners import open_runner
+from runtime.runners.base import last_positions
+from runtime.scheduler import MAX_PREFILL_BUDGET, check_prefill_budget
+from tests.test_hardening import refusal
+from launcher.tritonserver import free_ports
+
+
+def prompts(seed: int, lengths) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 250, n).tolist() for n in lengths]
+
+
+def test_a_mixed_packed_step_equals_separate_steps(exports):
+    """Row 0 decodes one token while row 1 feeds a 7-token chunk, in one step: the same logits as
+    running each row alone (the padded layout would have fed row 0 seven positions)."""
+    directory = exports("inplace", "fp32")
+    a, b = prompts(1, (12, 12))
+    mixed = open_runner(directory, threads=1)
+    mixed.allocate(2, 64)
+    ids = np.zeros((2, 12), np.int64)
+    ids[0], ids[1, :5] = a, b[:5]
+    mixed.step(ids, np.zeros(2, np.int64), np.array([12, 5]), last_positions(np.array([12, 5])))
+    step = np.zeros((2, 7), np.int64)
+    step[0, 0], step[1] = 7, b[5:]
+    num_new = np.array([1, 7])
+    together = mixed.step(step, np.array([12, 5]), num_new, last_positions(num_new))
+
+    alone = []
+    for row, (prompt, chunk, start) in enumerate(((a, [7], 12), (b[:5], b[5:], 5))):
+        runner = open_runner(directory, threads=1)
+        runner.allocate(1, 64)
+        runner.step(np.array([prompt]), np.zeros(1, np.int64), np.array([len(prompt)]))
+        n = np.array([len(chunk)])
+        alone.append(runner.step(np.array([chunk]), np.array([start]), n, last_positions(n))[0])
+    assert np.abs(together - np.stack(alone)).max() < 1e-5
+
+
+class StepSpy:
+    """Records, for every step, each row's pending tokens before it and the tokens it was fed."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine, self.steps = engine, []
+        self.step = engine.runner.step
+        engine.runner.step = self
+
+    def __call__(self, input_ids, write_positions, num_new, logit_positions=None):
+        pending = [s.pending for s in self.engine.scheduler.running[:len(num_new)]]
+        self.steps.append((pending, list(map(int, num_new))))
+        return self.step(input_ids, write_positions, num_new, logit_positions)
+
+
+def test_decoding_rows_are_in_every_step_and_prompts_always_advance(fp32):
+    budget = 32
+    with LLMEngine(fp32, slots=4, prefill_budget=budget) as engine:
+        spy = StepSpy(engine)
+        started, done = threading.Semaphore(0), threading.Semaphore(0)
+
+        def watch(out):
+            if len(out.token_ids) == 1:
+                started.release()
+            if out.finished:
+                done.release()
+
+        streams = prompts(2, (20, 24))
+        for p in streams:  # two streams decoding long answers
+            engine.submit(p, SamplingParams(max_tokens=120, ignore_eos=True), watch)
+        for _ in streams:
+            assert started.acquire(timeout=120)
+        long_prompts = prompts(3, (300, 200))
+        for p in long_prompts:
+            engine.submit(p, SamplingParams(max_tokens=4, ignore_eos=True), watch)
+        for _ in streams + long_prompts:
+            assert done.acquire(timeout=300)
+        stats = engine.stats()
+    mixed = 0
+    for pending, fed in spy.steps:
+        decoding = [f for p, f in zip(pending, fed) if p == 1]
+        prompt = [(p, f) for p, f in zip(pending, fed) if p > 1]
+        assert all(f == 1 for f in decoding), (pending, fed)  # no decoding row waits for a prompt
+        if prompt:
+            assert sum(f for _, f in prompt) <= (budget if decoding else engine.scheduler.solo_prefill_tokens)
+            first_pending, first_fed = prompt[0]  # the oldest prompt gets its full share: bounded wait
+            assert first_fed == min(first_pending, budget if decoding else engine.scheduler.solo_prefill_tokens)
+            mixed += bool(decoding)
+    assert mixed >= (300 + 200) // budget  # the long prompts prefilled beside the streams
+    assert stats["mixed_steps"] == mixed
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_stall_free_gives_the_tokens_the_alternating_scheduler_gives(exports, dtype):
+    directory = exports("inplace", dtype)
+    batch = prompts(4, (5, 40, 90, 17, 130, 3))
+    # different lengths, so later prompts join while earlier ones decode
+    greedy = [SamplingParams(max_tokens=8 + 6 * i, ignore_eos=True) for i in range(6)]
+    seeded = [SamplingParams(max_tokens=8 + 6 * i, temperature=0.9, top_p=0.9, seed=i, ignore_eos=True)
+              for i in range(6)]
+    outputs = {}
+    for stall_free in (True, False):
+        with LLMEngine(directory, slots=4, prefill_budget=48, stall_free=stall_free, prefix_cache=False) as engine:
+            outputs[stall_free] = [[r.token_ids for r in engine.generate(batch, params)] for params in (greedy, seeded)]
+            steps = engine.stats()
+        if stall_free:
+            assert steps["mixed_steps"] > 0
+    assert outputs[True] == outputs[False]
+
+
+def test_the_prefill_budget_is_checked_at_start(tmp_path):
+    for bad in (0, 1, MAX_PREFILL_BUDGET + 1):
+        with pytest.raises(ValueError, match="prefill budget"):
+            check_prefill_budget(bad)
+    with pytest.raises(ValueError, match=env.PREFILL_BUDGET):
+        env.engine_options({env.PREFILL_BUDGET: "lots"})
+    with pytest.raises(ValueError, match=env.SCHEDULER):
+        env.engine_options({env.SCHEDULER: "fifo"})
+    assert env.engine_options({env.PREFILL_BUDGET: "128", env.SCHEDULER: "alternate"}) == {
+        **env.engine_options({}), "prefill_budget": 128, "stall_free": False}
+    ports = sum((["--" + f, str(p)] for f, p in zip(("http-port", "grpc-port", "metrics-port"), free_ports(3))), [])
+    line = refusal("--repo", str(tmp_path), *ports, "--prefill-budget", "1")
+    assert "--prefill-budget" in line and "2..8192" in line
