@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from export import kv_codec
-from kvforge.manifest import KVDType, ModelSpec
+from kvforge.manifest import KVDType, ModelSpec, kv_tensor_names
 
 
 class RMSNorm(nn.Module):
@@ -49,8 +49,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     """Rotate x [B, H, S, D] with Hugging Face's half-split convention (interleaved: consecutive
     pairs, DeepSeek-V2's complex form): one ONNX RotaryEmbedding op (opset 23) instead of a dozen
     slices and elementwise ops per call. The 4-D form is the one TensorRT's IRotaryEmbeddingLayer
-    documents."""
+    documents. Training (export.train) takes the same math in plain torch ops: torch registers no
+    autograd formula for the ONNX op."""
+    if x.requires_grad:
+        return rotate(x, cos, sin, interleaved)
     return torch.onnx.ops.rotary_embedding(x, cos, sin, interleaved=interleaved)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """What ONNX RotaryEmbedding computes, differentiably: x [B, H, S, D], cos/sin [B, S, D/2]."""
+    cos, sin = cos[:, None], sin[:, None]
+    first, second = (x[..., 0::2], x[..., 1::2]) if interleaved else x.chunk(2, dim=-1)
+    rotated = (first * cos - second * sin, second * cos + first * sin)
+    return torch.stack(rotated, dim=-1).flatten(-2) if interleaved else torch.cat(rotated, dim=-1)
 
 
 def yarn_inv_freq(spec: ModelSpec) -> tuple[torch.Tensor, float]:
@@ -252,12 +263,13 @@ class MLAAttention(nn.Module):
         k_pe = apply_rotary(k_pe[:, None], cos, sin, self.interleaved)  # [B, 1, S, dr]
         latent = torch.cat([c_kv, k_pe], dim=-1)
 
-        new = kv_codec.encode(latent, kv)
+        # int8: per-token scales for c_kv and k_pe apart (latent_scale [B, 1, S, 2])
+        new = kv_codec.encode(latent, kv, parts=(self.r, self.dr))
         if layout == "concat":
-            present = [torch.cat((cache[0], new[0]), dim=2)]
+            present = [torch.cat((old, fresh), dim=2) for old, fresh in zip(cache, new)]
         else:
-            present = [scatter_into(cache[0], new[0], mask_or_positions)]
-        context = kv_codec.decode(present, kv)  # [B, 1, T, r + dr]
+            present = [scatter_into(old, fresh, mask_or_positions) for old, fresh in zip(cache, new)]
+        context = kv_codec.decode(present, kv, parts=(self.r, self.dr))  # [B, 1, T, r + dr]
 
         w = self.kv_b_proj.weight.view(self.heads, self.dn + self.dv, self.r)
         w_uk, w_uv_t = w[:, :self.dn], w[:, self.dn:].transpose(1, 2)  # [H, dn, r], [H, r, dv]
@@ -326,7 +338,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.per_layer = 1 if spec.attention == "mla" else 4 if kv.has_scale_tensors else 2
+        self.per_layer = len(kv_tensor_names(0, "past_key_values", kv.has_scale_tensors, spec.attention))
 
     def forward(self, input_ids: torch.Tensor, *args: torch.Tensor):
         if self.layout == "concat":

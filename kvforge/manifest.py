@@ -26,11 +26,15 @@ MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # "mha": multi-head attention with num_kv_heads K/V heads (MHA, GQA, MQA), two cache tensors
 # (key, value) per layer. "mla": one cache tensor (latent) per layer, [batch, 1, T, r + dr].
 ATTENTION_KINDS = ("mha", "mla")
-# The KV dtypes an MLA export emits, and why the others are refused.
-MLA_KV_DTYPES = ("fp32", "fp16")
+# The KV dtypes an MLA export emits, and why the others are refused. int8 stores one fp16 scale
+# per token for c_kv and one for k_pe (latent_scale [B, 1, T, 2]): their ranges differ (c_kv is
+# RMS-normalized, k_pe is not), so one shared scale would leave k_pe with a few int8 levels.
+MLA_KV_DTYPES = ("fp32", "fp16", "int8")
 MLA_REFUSED_DTYPE = ("the latent [c_kv | k_pe] is both the key and the value of every head and reaches them "
-                     "through W_UK and W_UV: the int8/int4 codecs (per-token or per-channel scales of K and V) "
-                     "have not been measured for accuracy on it, and fp8 runs nowhere yet")
+                     "through W_UK and W_UV: int8-static's per-channel scales are calibrated for separate K and V "
+                     "and int4's 16 levels have not been measured for accuracy on it, and fp8 runs nowhere yet")
+# The latent's parts that get a per-token scale each (int8): c_kv and k_pe.
+MLA_SCALE_PARTS = 2
 MLA_NO_TENSORRT = ("TensorRT is not built for MLA exports: its in-place KVCacheUpdate/attention path was "
                    "written for key/value pairs and no GPU host has validated the latent cache")
 KV_LAYOUTS = ("concat", "inplace")
@@ -283,10 +287,12 @@ def check_attention_dtype(spec: ModelSpec, dtype: str) -> None:
 
 def kv_bytes_per_token(spec: ModelSpec, dtype: str) -> int:
     """Bytes one token occupies in the cache: K and V, every layer and KV head (plus scales);
-    for MLA one latent of kv_lora_rank + qk_rope_head_dim per layer (no factor 2: it is K and V)."""
+    for MLA one latent of kv_lora_rank + qk_rope_head_dim per layer (no factor 2: it is K and V),
+    plus its two scales for int8."""
     d = kv_dtype(dtype)
     if spec.attention == "mla":
-        return spec.num_layers * (spec.kv_lora_rank + spec.qk_rope_head_dim) * d.bits // 8
+        scales = MLA_SCALE_PARTS * SCALE_BYTES if d.has_scale_tensors else 0
+        return spec.num_layers * ((spec.kv_lora_rank + spec.qk_rope_head_dim) * d.bits // 8 + scales)
     per_head = spec.head_dim * d.bits // 8 + (SCALE_BYTES if d.has_scale_tensors else 0)
     return 2 * spec.num_layers * spec.num_kv_heads * per_head
 
@@ -324,7 +330,7 @@ class TensorSpec:
 
 def kv_tensor_names(layer: int, prefix: str, quantized_scales: bool, attention: str = "mha") -> list[str]:
     if attention == "mla":
-        return [f"{prefix}.{layer}.latent"]
+        return [f"{prefix}.{layer}.latent"] + ([f"{prefix}.{layer}.latent_scale"] if quantized_scales else [])
     names = [f"{prefix}.{layer}.key", f"{prefix}.{layer}.value"]
     if quantized_scales:
         names += [f"{prefix}.{layer}.key_scale", f"{prefix}.{layer}.value_scale"]
@@ -341,11 +347,13 @@ def io_tensors(spec: ModelSpec, layout: str, dtype: str) -> tuple[list[TensorSpe
     inplace logits cover only logit_positions [batch, kept] (indices into seq, gathered before the
     final norm and lm_head): generation passes each row's last real position, scoring every
     position. concat returns every position, as Optimum's contract has it.
-    MLA: one tensor per layer, past_key_values.{i}.latent -> present.{i}.latent, [batch, 1, T, r + dr]."""
+    MLA: one tensor per layer, past_key_values.{i}.latent -> present.{i}.latent, [batch, 1, T, r + dr];
+    int8 adds past_key_values.{i}.latent_scale [batch, 1, T, 2] (the scales of c_kv and k_pe)."""
     check_layout_dtype(layout, dtype)
     check_attention_dtype(spec, dtype)
     d = kv_dtype(dtype)
     kvh, hd = spec.num_kv_heads, d.stored_head_dim(spec.head_dim)
+    scale_width = MLA_SCALE_PARTS if spec.attention == "mla" else 1
     if layout == "concat":
         inputs = [TensorSpec("input_ids", "int64", ("batch", "seq")),
                   TensorSpec("attention_mask", "int64", ("batch", "total")),
@@ -364,12 +372,12 @@ def io_tensors(spec: ModelSpec, layout: str, dtype: str) -> tuple[list[TensorSpe
             for name in kv_tensor_names(i, prefix, d.has_scale_tensors, spec.attention):
                 scale = name.endswith("_scale")
                 dest.append(TensorSpec(name, SCALE_STORAGE if scale else d.storage,
-                                       ("batch", kvh, length, 1 if scale else hd)))
+                                       ("batch", kvh, length, scale_width if scale else hd)))
     return inputs, outputs
 
 
 def kv_buffer_shape(tensor: TensorSpec, rows: int, length: int) -> tuple[int, int, int, int]:
-    """Shape of a runtime buffer for a cache tensor: [rows, kv_heads, length, D or 1]."""
+    """Shape of a runtime buffer for a cache tensor: [rows, kv_heads, length, D or its scales]."""
     return (rows, tensor.shape[1], length, tensor.shape[3])
 
 

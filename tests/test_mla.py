@@ -173,6 +173,55 @@ def test_fp16_latent_cache(mla_exports):
     assert report.passed and 0 < report.max_abs_diff <= 2e-2, report
 
 
+INT8_LOGIT_BOUND = 0.1  # max abs logit difference of the int8 latent from fp32 transformers (measured 0.038)
+
+
+@pytest.mark.parametrize("layout", ["inplace", "concat"])
+def test_int8_latent_cache(mla_exports, checkpoints, layout):
+    """int8 latent: one fp16 scale per token for c_kv and one for k_pe (latent_scale [B, 1, T, 2]),
+    logits within INT8_LOGIT_BOUND of fp32 transformers (logits of these models span ~10 units);
+    after a prefill the scales are each part's max |value| / 127 and the latent decodes to
+    transformers' cache within half a quantization step."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from export.verify import verify
+    from runtime.runners import open_runner
+
+    directory = mla_exports("v3-interleave-qlora-yarn", layout, "int8")
+    manifest = Manifest.load(directory)
+    assert manifest.kv_bytes_per_token == 2 * (40 + 2 * 2)  # layers x (r + dr int8 + two fp16 scales)
+    assert kv_block_spec(manifest).names == ("past_key_values.0.latent", "past_key_values.0.latent_scale",
+                                             "past_key_values.1.latent", "past_key_values.1.latent_scale")
+    inputs = {t.name: t for t in manifest.io()[0]}
+    assert inputs["past_key_values.1.latent"].dtype == "int8"
+    assert (inputs["past_key_values.1.latent_scale"].dtype, inputs["past_key_values.1.latent_scale"].shape[1:]) == \
+        ("float16", (1, "capacity" if layout == "inplace" else "past", 2))
+    report = verify(directory, steps=STEPS)
+    assert report.passed and report.max_abs_diff <= INT8_LOGIT_BOUND, report
+    if layout == "concat":
+        return
+    prompt = np.random.default_rng(1).integers(3, VOCAB, 21)
+    runner = open_runner(directory)
+    runner.allocate(1, 64)
+    runner.step(prompt[None], np.array([0]), np.array([len(prompt)]))
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints["v3-interleave-qlora-yarn"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        cache = hf(torch.tensor(prompt[None]), use_cache=True).past_key_values
+    for i in range(2):  # each part of each token has its own max: an int8 value of +-127 in both
+        latent = runner.kv_arrays[f"past_key_values.{i}.latent"][0, 0, :len(prompt)].astype(np.int32)
+        assert (np.abs(latent[:, :32]).max(-1) == 127).all() and (np.abs(latent[:, 32:]).max(-1) == 127).all()
+    # layer 0 sees the same input as transformers' (later layers see the int8 cache's effect)
+    c_kv, k_pe = cache.layers[0].keys[0, 0].numpy(), cache.layers[0].values[0, 0].numpy()  # [T, r], [T, dr]
+    scale = runner.kv_arrays["past_key_values.0.latent_scale"][0, 0, :len(prompt)].astype(np.float32)  # [T, 2]
+    expected = np.stack([np.abs(c_kv).max(-1), np.abs(k_pe).max(-1)], axis=-1) / 127
+    np.testing.assert_allclose(scale, expected, rtol=1e-3)  # fp16 storage: 11 significant bits
+    assert (scale[:, 0] != scale[:, 1]).all()
+    latent = runner.kv_arrays["past_key_values.0.latent"][0, 0, :len(prompt)].astype(np.float32)
+    step = np.repeat(scale, [32, 8], axis=-1)  # each channel's quantization step
+    assert (np.abs(latent * step - np.concatenate([c_kv, k_pe], -1)) <= 0.5 * step + 1e-6).all()
+
+
 @pytest.mark.parametrize("variant", ["v3-interleave-qlora-yarn", "v2-pairs-bias"])
 def test_latent_cache_equals_transformers_cache(mla_exports, checkpoints, variant):
     """After a prefill the runner's latent is cat(keys, values) of transformers' cache, layer by layer."""
@@ -222,10 +271,11 @@ def test_continuous_batching_equals_solo(mla_exports):
         assert result.token_ids == greedy_tokens(runner, prompt, n, {2})  # 2: the EOS
 
 
-def test_prefix_cache_hit_equals_miss_disk_tier_and_swap(mla_exports, tmp_path):
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_prefix_cache_hit_equals_miss_disk_tier_and_swap(mla_exports, tmp_path, dtype):
     """The block spec, the host pool, the disk tier and the copies are the ones of key/value
     caches: a hit (from RAM, or from disk after a restart) changes nothing, and a row swapped out
-    and back decodes on as before."""
+    and back decodes on as before; int8 blocks carry their latent_scale."""
     from runtime.kv.manager import HostBlockPool, KVManager
     from runtime.llm_engine import LLMEngine, SamplingParams
     from runtime.runners import open_runner
@@ -233,7 +283,7 @@ def test_prefix_cache_hit_equals_miss_disk_tier_and_swap(mla_exports, tmp_path):
 
     from kvforge.manifest import cache_namespace
 
-    directory = mla_exports("v2-pairs-bias")
+    directory = mla_exports("v2-pairs-bias", dtype=dtype)
     document = np.random.default_rng(3).integers(3, VOCAB, 70).tolist()
     prompt = document + [7, 8, 9]
     params = SamplingParams(max_tokens=24)
@@ -281,7 +331,7 @@ def _config_dict(version="v3", **overrides):
     return config
 
 
-def test_moe_fp8_and_quantized_kv_are_refused(tmp_path, checkpoints):
+def test_moe_fp8_and_unmeasured_kv_dtypes_are_refused(tmp_path, checkpoints):
     with pytest.raises(ManifestError, match="first_k_dense_replace=1 < num_hidden_layers=2.*n_routed_experts|"
                                             "n_routed_experts=.*first_k_dense_replace=1"):
         ModelSpec.from_hf_config(_config_dict(first_k_dense_replace=1))
@@ -292,13 +342,14 @@ def test_moe_fp8_and_quantized_kv_are_refused(tmp_path, checkpoints):
     with pytest.raises(ManifestError, match="quantization_config.*fp8"):
         ModelSpec.from_hf_config({**_config_dict(), "quantization_config": fp8})
     spec = ModelSpec.from_hf_config(_config_dict())
-    for dtype in ("int8", "int8-static", "int4", "fp8"):
-        with pytest.raises(ManifestError, match=f"KV dtype {dtype} is not available for MLA"):
+    for dtype in ("int8-static", "int4", "fp8"):
+        with pytest.raises(ManifestError, match=f"KV dtype {dtype} is not available for MLA.*supports fp32, fp16, "
+                                                "int8: the latent"):
             io_tensors(spec, "inplace", dtype)
     from tests.conftest import run_cli
 
     result = run_cli("export", "--model", str(checkpoints["v3-halves-noqlora"]), "--out", str(tmp_path / "o"),
-                     "--kv-dtype", "int8")
+                     "--kv-dtype", "int4")
     assert result.returncode == 2 and "not available for MLA" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "o").exists()
 
@@ -337,4 +388,7 @@ def test_kv_size_shows_mla_beside_mha_and_gqa(tmp_path):
     assert rows["gqa-8"]["bytes_per_token"] == 2 * 61 * 8 * 128 * 2
     table = run_cli("export.kv_size", "--model", str(tmp_path), "--context", "4096")
     assert table.returncode == 0, table.stderr
-    assert "mla" in table.stdout and "gqa-8" in table.stdout and "int8" not in table.stdout
+    assert "mla" in table.stdout and "gqa-8" in table.stdout and "int4" not in table.stdout
+    int8 = run_cli("export.kv_size", "--model", str(tmp_path), "--context", "4096", "--kv-dtype", "int8", "--json")
+    rows = {row["attention"]: row for row in json.loads(int8.stdout)["rows"]}
+    assert rows["mla"]["bytes_per_token"] == 61 * (512 + 64 + 2 * 2)  # int8 latent and its two fp16 scales
