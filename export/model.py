@@ -245,6 +245,8 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.r, h * (self.dn + self.dv), bias=False)
         self.o_proj = nn.Linear(h * self.dv, hidden, bias=bias)
         self.interleaved = spec.rope_interleave == "pairs"  # pairs-to-halves was permuted at load
+        # steps at least this wide run decompressed (bench section mla sets it to measure either path alone)
+        self.decompress_from = decompress_from(spec)
 
     def forward(self, x, cos, sin, cache: list[torch.Tensor], kv: KVDType, layout: str,
                 mask_or_positions: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -272,15 +274,58 @@ class MLAAttention(nn.Module):
         context = kv_codec.decode(present, kv, parts=(self.r, self.dr))  # [B, 1, T, r + dr]
 
         w = self.kv_b_proj.weight.view(self.heads, self.dn + self.dv, self.r)
-        w_uk, w_uv_t = w[:, :self.dn], w[:, self.dn:].transpose(1, 2)  # [H, dn, r], [H, r, dv]
-        query = torch.cat([q_nope @ w_uk, q_pe], dim=-1)  # [B, H, S, r + dr]
-        if layout == "concat":
-            out = attend(query, context, context, mask_or_positions, self.spec.attention_scale)
-        else:
-            out = attend_inplace(query, context, context, mask_or_positions, self.spec.attention_scale)
-        out = out[..., :self.r] @ w_uv_t  # [B, H, S, dv]
+        out = mla_attention(s >= self.decompress_from, layout, self.spec, q_nope, q_pe, context, w,
+                            mask_or_positions)  # [B, H, S, dv]
         out = out.transpose(1, 2).reshape(b, s, self.heads * self.dv)
         return self.o_proj(out), present
+
+
+def decompress_from(spec: ModelSpec) -> int:
+    """The step width from which MLA attention runs decompressed: where decompressing the context
+    (T x r x (dn + dv) multiply-adds per head) costs less than what absorbing adds per query and
+    context token (2 (r + dr) - (dn + dr) - dv), however long the context: 158 at DeepSeek-V3's dims.
+    Measured at those dims (bench section mla, ONNX Runtime, 2 cores): see MLAAttention."""
+    absorbed_extra = 2 * (spec.kv_lora_rank + spec.qk_rope_head_dim) - spec.qk_head_dim - spec.v_head_dim
+    return math.ceil(spec.kv_lora_rank * (spec.qk_nope_head_dim + spec.v_head_dim) / max(absorbed_extra, 1))
+
+
+def mla_attention(decompress, layout: str, spec: ModelSpec, q_nope, q_pe, context, w, mask_or_positions):
+    """MLA attention of q_nope [B, H, S, dn] and q_pe [B, H, S, dr] over the latent context
+    [B, 1, T, r + dr], w = kv_b_proj's weight [H, dn + dv, r] -> [B, H, S, dv], absorbed or
+    decompressed as `decompress` says: a Python bool eagerly, a symbolic one when exporting, which
+    becomes one ONNX If on the step width (one graph and one copy of the weights serve both)."""
+    r, dn = spec.kv_lora_rank, spec.qk_nope_head_dim
+    # Read here: inside torch.cond's branches dynamo answers is_in_onnx_export() with False.
+    exporting = torch.onnx.is_in_onnx_export()
+    if layout == "concat":
+        allowed = mask_or_positions
+    else:  # the mask attend_inplace builds: row b holds write_positions[b] + S entries
+        query_pos = mask_or_positions[:, None] + torch.arange(q_nope.shape[2])  # [B, S]
+        allowed = (torch.arange(context.shape[2])[None, None, :] <= query_pos[:, :, None])[:, None]
+
+    def attention(q, k, v):
+        if exporting and layout == "inplace":
+            return torch.onnx.ops.symbolic("Attention", (q, k, v, allowed), {"scale": spec.attention_scale},
+                                           dtype=q.dtype, shape=(*q.shape[:3], v.shape[-1]), version=24)
+        return attend(q, k, v, allowed, spec.attention_scale)
+
+    def absorbed(q_nope, q_pe, context, w):
+        w_uk, w_uv_t = w[:, :dn], w[:, dn:].transpose(1, 2)  # [H, dn, r], [H, r, dv]
+        out = attention(torch.cat([q_nope @ w_uk, q_pe], dim=-1), context, context)  # [B, H, S, r + dr]
+        return out[..., :r] @ w_uv_t
+
+    def decompressed(q_nope, q_pe, context, w):
+        c_kv, k_pe = context.split([r, spec.qk_rope_head_dim], dim=-1)
+        k_nope, v = (c_kv @ w.transpose(1, 2)).split([dn, spec.v_head_dim], dim=-1)  # [B, H, T, dn | dv]
+        key = torch.cat([k_nope, k_pe.expand(-1, w.shape[0], -1, -1)], dim=-1)
+        return attention(torch.cat([q_nope, q_pe], dim=-1), key, v)
+
+    if not torch.onnx.is_in_onnx_export():
+        return (decompressed if decompress else absorbed)(q_nope, q_pe, context, w)
+    # torch.cond traces its branches with dynamo, which skips torch.onnx.ops (the symbolic
+    # Attention op) unless told not to
+    branches = [torch._dynamo.dont_skip_tracing(f) for f in (decompressed, absorbed)]
+    return torch.cond(decompress, *branches, (q_nope, q_pe, context, w))
 
 
 class MLP(nn.Module):
