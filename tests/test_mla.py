@@ -127,10 +127,42 @@ def test_manifest_fields_and_latent_tensors(mla_exports):
     model = onnx.load(str(directory / "model.onnx"))
     inputs = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
     assert inputs["past_key_values.0.latent"] == ["batch", 1, "capacity", 40]
-    ops = [n.op_type for n in model.graph.node]
-    assert ops.count("TensorScatter") == 2 and ops.count("Attention") == 2  # one latent per layer
-    assert {n.domain for n in model.graph.node} <= {"", "ai.onnx"}  # only standard ops, no contrib kernels
+    nodes = list(graph_nodes(model.graph))
+    ops = [n.op_type for n in nodes]
+    assert ops.count("TensorScatter") == 2 and ops.count("If") == 2  # one latent per layer, one If on the width
+    assert ops.count("Attention") == 4  # absorbed and decompressed, in the If's branches
+    assert {n.domain for n in nodes} <= {"", "ai.onnx"}  # only standard ops, no contrib kernels
     assert all(o.domain in ("", "ai.onnx") for o in model.opset_import)
+
+
+def graph_nodes(graph):
+    """Every node of an ONNX graph, the If branches' subgraphs included."""
+    for node in graph.node:
+        yield node
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                yield from graph_nodes(attribute.g)
+
+
+def test_absorbed_and_decompressed_steps_agree(mla_exports):
+    """Steps of at least decompress_from tokens take the If's decompressed branch (per-head K/V from
+    kv_b_proj, standard attention), narrower ones the absorbed: a prompt prefilled in one wide step
+    and in narrow chunks gives the same logits at every position (and verify checks both against
+    transformers)."""
+    from export.model import decompress_from
+    from runtime.runners import open_runner
+
+    directory = mla_exports("v2-pairs-bias")
+    runner = open_runner(directory)
+    wide, narrow = 48, 8
+    assert narrow < decompress_from(runner.manifest.model) <= wide
+    prompt = np.random.default_rng(4).integers(3, VOCAB, wide)[None]
+    runner.allocate(1, 64)
+    one_step = runner.step(prompt, np.array([0]), np.array([wide]), logit_positions=None)[0]
+    runner.allocate(1, 64)
+    chunks = [runner.step(prompt[:, i:i + narrow], np.array([i]), np.array([narrow]), logit_positions=None)[0]
+              for i in range(0, wide, narrow)]
+    np.testing.assert_allclose(one_step, np.concatenate(chunks), atol=1e-5, rtol=0)
 
 
 def test_older_manifests_read_as_mha():
@@ -392,3 +424,32 @@ def test_kv_size_shows_mla_beside_mha_and_gqa(tmp_path):
     int8 = run_cli("export.kv_size", "--model", str(tmp_path), "--context", "4096", "--kv-dtype", "int8", "--json")
     rows = {row["attention"]: row for row in json.loads(int8.stdout)["rows"]}
     assert rows["mla"]["bytes_per_token"] == 61 * (512 + 64 + 2 * 2)  # int8 latent and its two fp16 scales
+
+
+# ---------------------------------------------------------------- through Triton
+
+
+def test_streamed_through_triton_equals_in_process(mla_exports, tmp_path):
+    """What `make build-engines MODEL=<dir>` and `make serve` run, on an int8-latent DeepSeek-V3
+    export: `engines build` (its parity gate included), `engines repository`, the launcher with a
+    real tritonserver; a streamed greedy answer through `llm` equals LLMEngine's in process."""
+    from clients.api import LLMClient
+    from launcher.harness import TritonServer, free_ports
+    from runtime.llm_engine import LLMEngine, SamplingParams
+    from tests.conftest import run_cli
+
+    engine_dir, repo = tmp_path / "engine", tmp_path / "model_repository"
+    run_cli("engines", "build", str(mla_exports("v3-interleave-qlora-yarn", dtype="int8")), "--backend", "auto",
+            "--out", str(engine_dir), check=True)
+    run_cli("engines", "repository", str(engine_dir), "--repo", str(repo), check=True)
+    prompt = "def fibonacci(n):"
+    with LLMEngine(engine_dir) as engine:
+        expected = engine.generate([prompt], SamplingParams(max_tokens=24))[0]
+    # The server runs from this checkout (the harness's cwd), and so does its python stub: the
+    # int8-latent manifest would not load with code older than this test.
+    http, grpc, metrics = free_ports(3)
+    with TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics) as server:
+        deltas = list(LLMClient(server.grpc_url, "grpc").stream(prompt, max_tokens=24))
+    assert len(deltas) > 1  # streamed, one response per token
+    assert [t for d in deltas for t in d.token_ids] == expected.token_ids
+    assert "".join(d.text for d in deltas) == expected.text
