@@ -1,7 +1,8 @@
 """python -m bench [--quick] [--out DIR]: measure what the KV cache buys, against peers, with plots.
 
 Sections (issue 5): cache vs no cache, KV layouts, KV dtypes, peers, serving through Triton,
-roofline, prefill (issue 13), weight quantization; (issue 9) prefix caching; (issue 10) KV tiers. Writes DIR/bench.json, DIR/bench.md and PNG plots; a section
+roofline, prefill (issue 13), weight quantization; (issue 9) prefix caching; (issue 10) KV tiers;
+(issue 21) mla. Writes DIR/bench.json, DIR/bench.md and PNG plots; a section
 that fails is recorded with its error, the others still run, and the exit code is 1.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from bench import common, report
 from bench.common import ROOT, Artifacts, SectionError, params, say
 
 SECTIONS = ("layouts", "cache", "kv_dtypes", "peers", "roofline", "prefill", "weights", "serving", "prefix_cache",
-            "kv_tiers")
+            "kv_tiers", "mla")
 
 
 def prepare(p, artifacts: Artifacts, sections: set[str]) -> None:
