@@ -20,9 +20,11 @@ MODEL_FILE = "model.onnx"
 OPSET = 24  # TensorScatter (the in-place KV write) needs opset 24
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-# Multi-head Latent Attention (DeepSeek-V2/V3): the cache holds one latent per token and layer.
-MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+                           "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "MiniCPM3ForCausalLM")
+# Multi-head Latent Attention (DeepSeek-V2/V3; MiniCPM3: the same attention with half-split RoPE,
+# its embedding/residual/logit scalings folded into the weights at load): the cache holds one
+# latent per token and layer.
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "MiniCPM3ForCausalLM")
 # "mha": multi-head attention with num_kv_heads K/V heads (MHA, GQA, MQA), two cache tensors
 # (key, value) per layer. "mla": one cache tensor (latent) per layer, [batch, 1, T, r + dr].
 ATTENTION_KINDS = ("mha", "mla")
@@ -247,7 +249,9 @@ class ModelSpec:
         rope = {**(cfg.get("rope_parameters") or {}), **(cfg.get("rope_scaling") or {})}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "yarn", None):
-            raise ManifestError(f"unsupported rope scaling {rope_type!r} for {arch}; default RoPE and yarn are supported")
+            raise ManifestError(f"unsupported rope scaling {rope_type!r} for {arch}; default RoPE and yarn are supported"
+                                + (" (longrope, MiniCPM3-4B's: per-channel short/long factors that switch with the "
+                                   "sequence length, is not exported yet)" if rope_type == "longrope" else ""))
         theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         yarn = None
         if rope_type == "yarn":
@@ -259,6 +263,8 @@ class ModelSpec:
             yarn.setdefault("factor", cfg["max_position_embeddings"] / yarn["original_max_position_embeddings"])
         if arch == "DeepseekV2ForCausalLM":
             interleave = "pairs"  # complex multiplication of consecutive pairs
+        elif arch == "MiniCPM3ForCausalLM":
+            interleave = "halves"  # Llama's rotate_half
         else:
             interleave = "pairs-to-halves" if cfg.get("rope_interleave", True) else "halves"
         r, dr = int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"])

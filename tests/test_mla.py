@@ -28,13 +28,16 @@ VARIANTS = {
     "v3-halves-noqlora": ("v3", dict(rope_interleave=False, q_lora_rank=None)),
     # V2: complex (pairwise) rope; attention biases on q_a/kv_a/o
     "v2-pairs-bias": ("v2", dict(q_lora_rank=24, attention_bias=True)),
+    # MiniCPM3: DeepSeek's attention with half-split rope; embeddings x scale_emb (12), residual
+    # branches x scale_depth / sqrt(layers), hidden / (hidden / dim_model_base) before the tied lm_head
+    "minicpm3-scaled-tied": ("minicpm3", dict(q_lora_rank=24, dim_model_base=16)),
 }
 
 
 def hf_config(version: str, **overrides):
-    from transformers import DeepseekV2Config, DeepseekV3Config
+    from transformers import DeepseekV2Config, DeepseekV3Config, MiniCPM3Config
 
-    cls = DeepseekV3Config if version == "v3" else DeepseekV2Config
+    cls = {"v3": DeepseekV3Config, "v2": DeepseekV2Config, "minicpm3": MiniCPM3Config}[version]
     config = cls(**{**COMMON, **overrides})
     config.architectures = [cls.__name__.replace("Config", "ForCausalLM")]
     return config
@@ -370,6 +373,10 @@ def test_moe_fp8_and_unmeasured_kv_dtypes_are_refused(tmp_path, checkpoints):
     assert ModelSpec.from_hf_config({**_config_dict(first_k_dense_replace=1), "n_routed_experts": None}).attention == "mla"
     moe = ModelSpec.from_hf_config(_config_dict(first_k_dense_replace=0), cache_only=True)  # kv_size reads MoE configs
     assert kv_bytes_per_token(moe, "fp32") == 2 * 40 * 4
+    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+                "original_max_position_embeddings": 128}
+    with pytest.raises(ManifestError, match="unsupported rope scaling 'longrope' for MiniCPM3ForCausalLM.*MiniCPM3-4B"):
+        ModelSpec.from_hf_config({**_config_dict("minicpm3"), "rope_parameters": longrope})
     fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
     with pytest.raises(ManifestError, match="quantization_config.*fp8"):
         ModelSpec.from_hf_config({**_config_dict(), "quantization_config": fp8})
