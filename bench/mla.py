@@ -4,8 +4,8 @@
   the engines themselves (runner.kv_bytes_allocated, KVManager.can_admit) for a model with
   DeepSeek-V3's attention dims and for MHA / GQA Llamas of the same hidden size;
 - prefill: one chunk of W tokens onto a cache holding P, absorbed vs decompressed (the two paths
-  of export.model.mla_attention, each exported alone), at the widths 16..1024: where the graph's
-  If should switch (export.model.decompress_from);
+  of export.model.mla_attention, each exported alone), at the widths 16..1024, and which one the
+  graph's If picks there (export.model.decompresses);
 - decode: tokens/s at 512 / 2K / 4K context, both paths;
 - quality: held-out perplexity and greedy agreement of the fp16 and int8 latent against fp32 on a
   small MLA model trained like the default model (export.train --architecture mla; random
@@ -13,9 +13,9 @@
 
 The speed models are seeded random, one layer (what is timed is attention, and a layer's
 weights): hidden 2048 instead of V3's 7168 keeps one layer at 0.4 GB; the attention's cost does
-not depend on the hidden size. Time: ~25 min the first time (training the quality model takes
-most of it), ~12 min with the artifacts cached; --quick ~3 min (a few training steps: its quality
-numbers are a smoke test, not a measurement).
+not depend on the hidden size. Time: ~25 min the first time on 2 shared cores (training the
+quality model takes half), ~12 min with the artifacts cached; --quick ~2 min (quality on the
+seeded model: a smoke test of the code path, not a measurement).
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ class Shape:
     decode_contexts: tuple[int, ...]
     decode_steps: int
     decode_rounds: int
-    train_steps: int | None  # None: export.train's default
+    trained: bool  # quality on the trained MLA model; False (quick): on the seeded speed model, a smoke test
     eval_windows: int | None
     greedy_prompt_tokens: int
     greedy_tokens: int
@@ -61,14 +61,14 @@ def shape(quick: bool) -> Shape:
     if quick:
         return Shape(heads=8, kv_lora_rank=64, q_lora_rank=96, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                      hidden_size=128, gqa_heads=4, gqa_kv_heads=2, head_dim=32, prefill_widths=(16, 64), prefill_pasts=(0, 64),
-                     prefill_rounds=1, decode_contexts=(64, 128), decode_steps=2, decode_rounds=1, train_steps=8,
+                     prefill_rounds=1, decode_contexts=(64, 128), decode_steps=2, decode_rounds=1, trained=False,
                      eval_windows=2, greedy_prompt_tokens=16, greedy_tokens=8)
     # DeepSeek-V3's attention: 128 heads, latent 512 + rope 64, q LoRA 1536, nope 128, v 128
     return Shape(heads=128, kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64,
                  v_head_dim=128, hidden_size=2048, gqa_heads=16, gqa_kv_heads=8, head_dim=128,
                  prefill_widths=(16, 32, 64, 128, 160, 192, 256, 512, 1024), prefill_pasts=(0, 1024),
                  prefill_rounds=3, decode_contexts=(512, 2048, 4096), decode_steps=4, decode_rounds=3,
-                 train_steps=None, eval_windows=None, greedy_prompt_tokens=64, greedy_tokens=128)
+                 trained=True, eval_windows=None, greedy_prompt_tokens=64, greedy_tokens=128)
 
 
 # ---------------------------------------------------------------- the models
@@ -108,38 +108,37 @@ def random_checkpoint(directory: Path, config: dict) -> Path:
 
 
 def path_export(artifacts, checkpoint: Path, path: str) -> Path:
-    """An fp32 in-place export whose MLA attention always takes `path` (MLAAttention.decompress_from
-    set to 1 or beyond any width): the two branches of the If, each timed alone."""
-    from export.__main__ import export
+    """The fp32 in-place export with its graph traced again with MLA attention always taking `path`
+    (MLAAttention.path): the If's two branches, each alone."""
+    from export.checkpoint import load_model
     from export.onnx_export import export_onnx
     from kvforge.manifest import Manifest
 
+    source = artifacts.export(str(checkpoint), "inplace", "fp32")
     out = artifacts.root / "exports" / f"{checkpoint.name}-{path}"
 
     def make():
-        from export.checkpoint import load_model
-
         say(f"mla: exporting {checkpoint.name} with every step {path}")
-        manifest = export(str(checkpoint), out, "inplace", "fp32", None)  # the manifest and tokenizer
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(source, out, ignore=shutil.ignore_patterns("model.onnx*", artifacts.STAMP))
+        manifest = Manifest.load(out)
         _, model = load_model(checkpoint, "inplace", manifest.kv)
         for layer in model.model.layers:
-            layer.self_attn.decompress_from = 1 if path == "decompressed" else 1 << 30
-        export_onnx(model, Manifest.load(out), out / manifest.onnx_file)
+            layer.self_attn.path = path
+        export_onnx(model, manifest, out / manifest.onnx_file)
 
-    return artifacts._cached(out, {"checkpoint": artifacts.fingerprint(checkpoint), "path": path,
-                                   "code": code_digest("export", "kvforge")}, make)
+    return artifacts._cached(out, {"export": json.loads((source / artifacts.STAMP).read_text()), "path": path}, make)
 
 
-def trained_mla(artifacts, steps: int | None) -> Path:
+def trained_mla(artifacts) -> Path:
     """The small MLA model trained like the default one (export.train --architecture mla)."""
-    out = artifacts.root / "checkpoints" / f"stdlib-mla-{steps or 'default'}"
+    out = artifacts.root / "checkpoints" / "stdlib-mla"
 
     def make():
         say("mla: training the small MLA model (export.train --architecture mla)")
-        run_module("export.train", "--architecture", "mla", "--out", str(out),
-                   *(["--steps", str(steps)] if steps else []))
+        run_module("export.train", "--architecture", "mla", "--out", str(out))
 
-    return artifacts._cached(out, {"steps": steps, "code": code_digest("export")}, make)
+    return artifacts._cached(out, {"code": code_digest("export")}, make)
 
 
 # ---------------------------------------------------------------- measurements
@@ -167,7 +166,11 @@ def kv_accounting(runner, budget: int, tokens: int) -> dict:
 
 
 def prefill_table(runners: dict, s: Shape) -> list[dict]:
-    """Seconds of one W-token step onto a cache of P tokens, the paths taking turns each round."""
+    """Seconds of one W-token step onto a cache of P tokens, the paths taking turns each round, and
+    the path the auto graph's If takes for it."""
+    from export.model import decompresses
+
+    spec = runners["absorbed"].manifest.model
     rows = []
     for past in s.prefill_pasts:
         for width in s.prefill_widths:
@@ -180,7 +183,9 @@ def prefill_table(runners: dict, s: Shape) -> list[dict]:
                     began = time.perf_counter()
                     runner.step(ids, np.array([past]), np.array([width]))
                     times[path].append(time.perf_counter() - began)
-            row = {"width": width, "past": past, **{p: summary_ms(t) for p, t in times.items()}}
+            row = {"width": width, "past": past, "capacity": capacity,
+                   "if_picks": "decompressed" if decompresses(spec, width, capacity) else "absorbed",
+                   **{p: summary_ms(t) for p, t in times.items()}}
             row["decompressed_speedup"] = round(row["absorbed"]["median_ms"] / row["decompressed"]["median_ms"], 3)
             say(f"mla prefill: {width} tokens onto {past}: absorbed {row['absorbed']['median_ms']:.1f} ms, "
                 f"decompressed {row['decompressed']['median_ms']:.1f} ms")
@@ -201,14 +206,13 @@ def decode_table(runners: dict, s: Shape) -> list[dict]:
     return rows
 
 
-def quality(artifacts, params, s: Shape) -> dict:
-    """fp32 / fp16 / int8 latent on the trained MLA model: perplexity, greedy agreement with fp32."""
+def quality(artifacts, params, s: Shape, checkpoint: Path) -> dict:
+    """fp32 / fp16 / int8 latent on `checkpoint`: perplexity, greedy agreement with fp32."""
     from bench.kv_dtypes import quality as dtype_quality
     from export.train import held_out_tokens
     from kvforge.manifest import MLA_KV_DTYPES
     from runtime.runners import open_runner
 
-    checkpoint = trained_mla(artifacts, s.train_steps)
     stream = held_out_tokens(checkpoint)
     material = {"windows": eval_windows(stream, s.eval_windows),
                 "prompts": held_out_prompts(stream, 8, s.greedy_prompt_tokens)}
@@ -220,16 +224,17 @@ def quality(artifacts, params, s: Shape) -> dict:
         reference = reference or q
         rows.append({"kv_dtype": dtype, "bytes_per_token": runner.manifest.kv_bytes_per_token,
                      **{k: v for k, v in q.items() if k != "tokens"}})
-    training = json.loads((checkpoint / "training.json").read_text())
-    return {"model": checkpoint.name, "training": {k: training[k] for k in ("held_out_perplexity", "steps",
-                                                                              "parameters", "train_seconds")},
+    training = json.loads((checkpoint / "training.json").read_text()) if s.trained else {}
+    return {"model": checkpoint.name, "trained": s.trained,
+            "training": {k: training[k] for k in ("held_out_perplexity", "steps", "parameters", "train_seconds")
+                         if k in training},
             "eval": {"windows": int(len(material["windows"])), "greedy_prompts": 8,
                      "greedy_prompt_tokens": s.greedy_prompt_tokens, "greedy_new_tokens": s.greedy_tokens},
             "dtypes": rows}
 
 
 def run(params, artifacts) -> dict:
-    from export.model import decompress_from
+    from export.model import decompresses
     from runtime.runners import open_runner
 
     s = shape(params.quick)
@@ -257,13 +262,14 @@ def run(params, artifacts) -> dict:
     prefill = prefill_table(runners, s)
     say(f"mla: decode ({s.decode_rounds} rounds)")
     decode = decode_table(runners, s)
-    say("mla: latent KV dtypes on the trained MLA model")
+    say("mla: latent KV dtypes on " + ("the trained MLA model" if s.trained else "the seeded model (quick)"))
     return {"shape": asdict(s), "model": {k: getattr(spec, k) for k in (
                 "num_layers", "hidden_size", "num_heads", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
                 "qk_rope_head_dim", "v_head_dim")},
-            "decompress_from": decompress_from(spec), "kv_budget_bytes": budget, "sequence_tokens": tokens,
+            "long_context_crossover": next(w for w in range(1, 1 << 12) if decompresses(spec, w, 1 << 24)),
+            "kv_budget_bytes": budget, "sequence_tokens": tokens,
             "accounting": accounting, "prefill": prefill, "decode": decode,
-            "quality": quality(artifacts, params, s),
+            "quality": quality(artifacts, params, s, trained_mla(artifacts) if s.trained else mla),
             "units": {"bytes_per_token": "bytes (runner.kv_bytes_allocated / capacity)",
                       "sequences_by_bytes": "sequences of sequence_tokens in kv_budget_bytes",
                       "sequences_admitted": "sequences of sequence_tokens KVManager admits in kv_budget_bytes",
@@ -286,12 +292,12 @@ def targets(results: dict) -> list[dict]:
                 skipped(q_name, q_required, "mla section did not run")]
     mha, gqa = (next(r for r in section["accounting"] if r["model"].startswith(kind)) for kind in ("mha", "gqa"))
     int8 = next(r for r in section["quality"]["dtypes"] if r["kv_dtype"] == "int8")
-    quick = section["shape"]["train_steps"] is not None and section["shape"]["train_steps"] < 100
     return [target(size_name, size_required, f"{mha['model'].upper()} {mha['x_mla_fp16']:.1f}x, "
                    f"{gqa['model'].upper()} {gqa['x_mla_fp16']:.1f}x the MLA bytes (fp16)", mha["x_mla_fp16"] >= 5,
                    f"{section['model']['num_heads']} heads, latent {section['model']['kv_lora_rank']} + "
                    f"{section['model']['qk_rope_head_dim']}; engines' own buffers"),
-            skipped(q_name, q_required, "quick run: the MLA model trained a few steps only") if quick else
+            skipped(q_name, q_required, "quick run: quality on seeded random weights says nothing")
+            if not section["quality"]["trained"] else
             target(q_name, q_required, f"{int8['perplexity_vs_fp32_percent']:+.2f}%",
                    abs(int8["perplexity_vs_fp32_percent"]) <= INT8_BOUND_PERCENT,
                    f"{int8['bytes_per_token']} vs {section['quality']['dtypes'][0]['bytes_per_token']} bytes/token "
@@ -306,8 +312,7 @@ def markdown(results: dict) -> list[str]:
     accounting = [[r["model"], r["kv_dtype"], f"{r['bytes_per_token']:,}", f"{r['x_mla_fp16']:.2f}x",
                    f"{r['sequences_by_bytes']:,}", f"{r['sequences_admitted']:,}"] for r in section["accounting"]]
     prefill = [[r["past"], r["width"], f"{r['absorbed']['median_ms']:.1f}", f"{r['decompressed']['median_ms']:.1f}",
-                f"{r['decompressed_speedup']:.2f}x", "decompressed" if r["width"] >= section["decompress_from"]
-                else "absorbed"] for r in section["prefill"]]
+                f"{r['decompressed_speedup']:.2f}x", r["if_picks"]] for r in section["prefill"]]
     decode = [[r["context"], f"{r['absorbed']['tokens_per_s']:.1f}", f"{r['decompressed']['tokens_per_s']:.1f}"]
               for r in section["decode"]]
     q = section["quality"]
@@ -319,13 +324,16 @@ def markdown(results: dict) -> list[str]:
             f"{section['sequence_tokens']:,} tokens that KVManager admits in {section['kv_budget_bytes'] / 2**30:g} GiB.",
             "", *table(["model", "KV dtype", "bytes/token/layer", "x MLA fp16", "sequences by bytes",
                         "sequences KVManager admits"], accounting),
-            "", f"Prefill: one step of W tokens onto P cached ones (ms, median); the export's If runs steps of "
-            f"{section['decompress_from']}+ tokens decompressed.", "",
+            "", "Prefill: one step of W tokens onto P cached ones (ms, median), and the path the export's If "
+            "takes (fewer multiply-adds at the step's width and capacity; over a long context from "
+            f"{section['long_context_crossover']} tokens).", "",
             *table(["P", "W", "absorbed ms", "decompressed ms", "decompressed speedup", "the If picks"], prefill),
             "", "Decode (batch 1, tokens/s):", "",
             *table(["context", "absorbed", "decompressed"], decode),
-            "", f"Latent KV dtypes on `{q['model']}` (trained {q['training']['steps']} steps, "
-            f"{q['training']['parameters']:,} parameters; {q['eval']['windows']} held-out windows):", "",
+            "", (f"Latent KV dtypes on `{q['model']}` (trained {q['training']['steps']} steps, "
+                 f"{q['training']['parameters']:,} parameters" if q["trained"] else
+                 f"Latent KV dtypes on `{q['model']}` (seeded random weights, a smoke test: flat logits"
+                 ) + f"; {q['eval']['windows']} held-out windows):", "",
             *table(["KV dtype", "bytes/token", "perplexity", "vs fp32", "greedy agreement (teacher-forced / free)"],
                    [[r["kv_dtype"], f"{r['bytes_per_token']:,}", *quality_cells(r)] for r in q["dtypes"]])]
 
@@ -339,7 +347,6 @@ def plot(plt, results: dict, out: Path) -> None:
             for path, style in (("absorbed", "o-"), ("decompressed", "s--")):
                 left.plot([r["width"] for r in rows], [r[path]["median_ms"] for r in rows], style, color=f"C{color}",
                           label=f"{path}, {past} cached")
-        left.axvline(section["decompress_from"], color="gray", ls=":", label="If switches")
         left.set(xscale="log", yscale="log", xlabel="prefill chunk (tokens)", ylabel="step ms (median)",
                  title="MLA prefill: absorbed vs decompressed")
         for path, style in (("absorbed", "o-"), ("decompressed", "s--")):

@@ -224,8 +224,31 @@ class MLAAttention(nn.Module):
     q_nope . (W_UK c_kv) + q_pe . k_pe. The output's first r channels are sum(p * c_kv); W_UV
     (kv_b_proj's value rows) maps them to the heads' values afterwards (its last dr channels,
     sum(p * k_pe), are dropped): exact up to float reassociation, with no per-step work that grows
-    with the context beyond the attention itself. Prefill runs the same absorbed graph (one graph
-    serves every chunk; a decompressed prefill is not exported)."""
+    with the context beyond the attention itself.
+
+    Steps that decompresses(spec, width, capacity) gives fewer multiply-adds decompressed (wide
+    prefill chunks: over a long context from 158 tokens at DeepSeek-V3's dims) run decompressed
+    instead, as vLLM's and TensorRT-LLM's prefill do: per-head K/V = kv_b_proj(c_kv) over the whole
+    context, then standard attention; one ONNX If on the step's width and capacity picks the branch
+    (mla_attention), so one graph, one copy of the weights and the same cache buffers serve both,
+    and the engine and runners do not choose anything. Measured (`python -m bench --sections mla`: one layer of V3's
+    attention, hidden 2048, fp32, ONNX Runtime 1.32, 2 threads, load average 4-5 from other jobs;
+    one step of W tokens onto P cached ones, median of 3, ms):
+
+        W       P=0: absorbed  decompressed      P=1024: absorbed  decompressed  speedup
+        16           205          212                    219           580        0.38x
+        64           651          377                    468           695        0.67x
+        128          688          271                    792           957        0.83x
+        160          392          488                   1031           970        1.06x
+        192         1254          630                   1257          1043        1.21x
+        256          840          497                   1986          1700        1.17x
+        512         1731          860                   4188          2675        1.57x
+        1024        6042         3616                   4808          3226        1.49x
+
+    With a context behind the chunk, decompressing loses below ~150 tokens and wins 1.2-1.6x from
+    192; a fresh prompt in a capacity its own size (P=0, noisier) wins from 64: where the
+    multiply-adds put both crossovers. Decode (one token) stays absorbed: decompressed
+    it ran 3.8 vs 12.6 tokens/s at 512 context and 1.2 vs 12.5 at 4,096."""
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
@@ -245,8 +268,8 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.r, h * (self.dn + self.dv), bias=False)
         self.o_proj = nn.Linear(h * self.dv, hidden, bias=bias)
         self.interleaved = spec.rope_interleave == "pairs"  # pairs-to-halves was permuted at load
-        # steps at least this wide run decompressed (bench section mla sets it to measure either path alone)
-        self.decompress_from = decompress_from(spec)
+        # "auto": as decompresses() says; "absorbed" / "decompressed": always (bench section mla times each alone)
+        self.path = "auto"
 
     def forward(self, x, cos, sin, cache: list[torch.Tensor], kv: KVDType, layout: str,
                 mask_or_positions: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -274,19 +297,22 @@ class MLAAttention(nn.Module):
         context = kv_codec.decode(present, kv, parts=(self.r, self.dr))  # [B, 1, T, r + dr]
 
         w = self.kv_b_proj.weight.view(self.heads, self.dn + self.dv, self.r)
-        out = mla_attention(s >= self.decompress_from, layout, self.spec, q_nope, q_pe, context, w,
-                            mask_or_positions)  # [B, H, S, dv]
+        decompress = decompresses(self.spec, s, context.shape[2]) if self.path == "auto" else self.path == "decompressed"
+        out = mla_attention(decompress, layout, self.spec, q_nope, q_pe, context, w, mask_or_positions)  # [B, H, S, dv]
         out = out.transpose(1, 2).reshape(b, s, self.heads * self.dv)
         return self.o_proj(out), present
 
 
-def decompress_from(spec: ModelSpec) -> int:
-    """The step width from which MLA attention runs decompressed: where decompressing the context
-    (T x r x (dn + dv) multiply-adds per head) costs less than what absorbing adds per query and
-    context token (2 (r + dr) - (dn + dr) - dv), however long the context: 158 at DeepSeek-V3's dims.
-    Measured at those dims (bench section mla, ONNX Runtime, 2 cores): see MLAAttention."""
-    absorbed_extra = 2 * (spec.kv_lora_rank + spec.qk_rope_head_dim) - spec.qk_head_dim - spec.v_head_dim
-    return math.ceil(spec.kv_lora_rank * (spec.qk_nope_head_dim + spec.v_head_dim) / max(absorbed_extra, 1))
+def decompresses(spec: ModelSpec, width, context):
+    """Whether a step of `width` queries over `context` positions (the in-place capacity: attention
+    and decompression both run over all of it) costs fewer multiply-adds per head decompressed:
+    decompressing spends context x r (dn + dv), absorbing width x r (dn + dv) (W_UK into the query,
+    W_UV after) plus width x context x (2 (r + dr) - (dn + dr) - dv) more in the attention. Ints or
+    the export's symbolic sizes (then a symbolic bool, the If's condition). For a long context it
+    decompresses from width r (dn + dv) / (2 (r + dr) - (dn + dr) - dv): 158 at DeepSeek-V3's dims."""
+    folded = spec.kv_lora_rank * (spec.qk_nope_head_dim + spec.v_head_dim)
+    extra = 2 * (spec.kv_lora_rank + spec.qk_rope_head_dim) - spec.qk_head_dim - spec.v_head_dim
+    return (context - width) * folded < width * context * extra
 
 
 def mla_attention(decompress, layout: str, spec: ModelSpec, q_nope, q_pe, context, w, mask_or_positions):

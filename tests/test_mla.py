@@ -148,21 +148,23 @@ def graph_nodes(graph):
 
 
 def test_absorbed_and_decompressed_steps_agree(mla_exports):
-    """Steps of at least decompress_from tokens take the If's decompressed branch (per-head K/V from
-    kv_b_proj, standard attention), narrower ones the absorbed: a prompt prefilled in one wide step
-    and in narrow chunks gives the same logits at every position (and verify checks both against
-    transformers)."""
-    from export.model import decompress_from
+    """A step the cost model (export.model.decompresses) gives to the decompressed path takes the
+    If's decompressed branch (per-head K/V from kv_b_proj, standard attention), a narrower one the
+    absorbed: a prompt prefilled in one wide step and in narrow chunks gives the same logits at
+    every position (and verify checks both against transformers)."""
+    from export.model import decompresses
     from runtime.runners import open_runner
 
     directory = mla_exports("v2-pairs-bias")
     runner = open_runner(directory)
-    wide, narrow = 48, 8
-    assert narrow < decompress_from(runner.manifest.model) <= wide
+    wide, narrow, capacity = 48, 8, 64
+    spec = runner.manifest.model
+    assert decompresses(spec, wide, capacity) and not decompresses(spec, narrow, capacity)
+    assert not decompresses(spec, 1, capacity) and not decompresses(spec, 20, 1 << 20)  # decode; long context
     prompt = np.random.default_rng(4).integers(3, VOCAB, wide)[None]
-    runner.allocate(1, 64)
+    runner.allocate(1, capacity)
     one_step = runner.step(prompt, np.array([0]), np.array([wide]), logit_positions=None)[0]
-    runner.allocate(1, 64)
+    runner.allocate(1, capacity)
     chunks = [runner.step(prompt[:, i:i + narrow], np.array([i]), np.array([narrow]), logit_positions=None)[0]
               for i in range(0, wide, narrow)]
     np.testing.assert_allclose(one_step, np.concatenate(chunks), atol=1e-5, rtol=0)
