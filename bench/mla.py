@@ -60,9 +60,9 @@ class Shape:
 def shape(quick: bool) -> Shape:
     if quick:
         return Shape(heads=8, kv_lora_rank=64, q_lora_rank=96, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                     hidden_size=128, gqa_heads=4, gqa_kv_heads=2, head_dim=32, prefill_widths=(16, 64), prefill_pasts=(0, 64),
-                     prefill_rounds=1, decode_contexts=(64, 128), decode_steps=2, decode_rounds=1, trained=False,
-                     eval_windows=2, greedy_prompt_tokens=16, greedy_tokens=8)
+                     hidden_size=128, gqa_heads=4, gqa_kv_heads=2, head_dim=32, prefill_widths=(16, 64),
+                     prefill_pasts=(0, 64), prefill_rounds=1, decode_contexts=(64, 128), decode_steps=2,
+                     decode_rounds=1, trained=False, eval_windows=2, greedy_prompt_tokens=16, greedy_tokens=8)
     # DeepSeek-V3's attention: 128 heads, latent 512 + rope 64, q LoRA 1536, nope 128, v 128
     return Shape(heads=128, kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64,
                  v_head_dim=128, hidden_size=2048, gqa_heads=16, gqa_kv_heads=8, head_dim=128,
@@ -320,8 +320,9 @@ def markdown(results: dict) -> list[str]:
             f"One layer with DeepSeek-V3's attention ({m['num_heads']} heads, latent {m['kv_lora_rank']} + rope "
             f"{m['qk_rope_head_dim']}, q LoRA {m['q_lora_rank']}, nope {m['qk_nope_head_dim']}, v {m['v_head_dim']}), "
             f"hidden {m['hidden_size']}, seeded random weights; Llamas of {section['shape']['gqa_heads']} heads x "
-            f"{section['shape']['head_dim']} for MHA and GQA-{section['shape']['gqa_kv_heads']}. Bytes from the runners' buffers; sequences of "
-            f"{section['sequence_tokens']:,} tokens that KVManager admits in {section['kv_budget_bytes'] / 2**30:g} GiB.",
+            f"{section['shape']['head_dim']} for MHA and GQA-{section['shape']['gqa_kv_heads']}. Bytes from the "
+            f"runners' buffers; sequences of {section['sequence_tokens']:,} tokens in "
+            f"{section['kv_budget_bytes'] / 2**30:g} GiB, by bytes and as KVManager admits them.",
             "", *table(["model", "KV dtype", "bytes/token/layer", "x MLA fp16", "sequences by bytes",
                         "sequences KVManager admits"], accounting),
             "", "Prefill: one step of W tokens onto P cached ones (ms, median), and the path the export's If "

@@ -231,9 +231,9 @@ class MLAAttention(nn.Module):
     instead, as vLLM's and TensorRT-LLM's prefill do: per-head K/V = kv_b_proj(c_kv) over the whole
     context, then standard attention; one ONNX If on the step's width and capacity picks the branch
     (mla_attention), so one graph, one copy of the weights and the same cache buffers serve both,
-    and the engine and runners do not choose anything. Measured (`python -m bench --sections mla`: one layer of V3's
-    attention, hidden 2048, fp32, ONNX Runtime 1.32, 2 threads, load average 4-5 from other jobs;
-    one step of W tokens onto P cached ones, median of 3, ms):
+    and the engine and runners do not choose anything. Measured (`python -m bench --sections mla`:
+    one layer of V3's attention, hidden 2048, fp32, ONNX Runtime 1.32, 2 threads, load average 4-5
+    from other jobs; one step of W tokens onto P cached ones, median of 3, ms):
 
         W       P=0: absorbed  decompressed      P=1024: absorbed  decompressed  speedup
         16           205          212                    219           580        0.38x
@@ -297,7 +297,10 @@ class MLAAttention(nn.Module):
         context = kv_codec.decode(present, kv, parts=(self.r, self.dr))  # [B, 1, T, r + dr]
 
         w = self.kv_b_proj.weight.view(self.heads, self.dn + self.dv, self.r)
-        decompress = decompresses(self.spec, s, context.shape[2]) if self.path == "auto" else self.path == "decompressed"
+        if self.path == "auto":
+            decompress = decompresses(self.spec, s, context.shape[2])
+        else:
+            decompress = self.path == "decompressed"
         out = mla_attention(decompress, layout, self.spec, q_nope, q_pe, context, w, mask_or_positions)  # [B, H, S, dv]
         out = out.transpose(1, 2).reshape(b, s, self.heads * self.dv)
         return self.o_proj(out), present
@@ -319,7 +322,8 @@ def mla_attention(decompress, layout: str, spec: ModelSpec, q_nope, q_pe, contex
     """MLA attention of q_nope [B, H, S, dn] and q_pe [B, H, S, dr] over the latent context
     [B, 1, T, r + dr], w = kv_b_proj's weight [H, dn + dv, r] -> [B, H, S, dv], absorbed or
     decompressed as `decompress` says: a Python bool eagerly, a symbolic one when exporting, which
-    becomes one ONNX If on the step width (one graph and one copy of the weights serve both)."""
+    becomes one ONNX If on the step's width and capacity (one graph and one copy of the weights
+    serve both)."""
     r, dn = spec.kv_lora_rank, spec.qk_nope_head_dim
     # Read here: inside torch.cond's branches dynamo answers is_in_onnx_export() with False.
     exporting = torch.onnx.is_in_onnx_export()
@@ -346,7 +350,7 @@ def mla_attention(decompress, layout: str, spec: ModelSpec, q_nope, q_pe, contex
         key = torch.cat([k_nope, k_pe.expand(-1, w.shape[0], -1, -1)], dim=-1)
         return attention(torch.cat([q_nope, q_pe], dim=-1), key, v)
 
-    if not torch.onnx.is_in_onnx_export():
+    if not exporting:
         return (decompressed if decompress else absorbed)(q_nope, q_pe, context, w)
     # torch.cond traces its branches with dynamo, which skips torch.onnx.ops (the symbolic
     # Attention op) unless told not to
