@@ -13,8 +13,8 @@
 
 The speed models are seeded random, one layer (what is timed is attention, and a layer's
 weights): hidden 2048 instead of V3's 7168 keeps one layer at 0.4 GB; the attention's cost does
-not depend on the hidden size. Time: ~25 min the first time on 2 shared cores (training the
-quality model takes half), ~12 min with the artifacts cached; --quick ~2 min (quality on the
+not depend on the hidden size. Time on 2 shared cores: ~14 min the first time (5 of them training
+the quality model, 4 exporting), ~6 min with the artifacts cached; --quick ~2 min (quality on the
 seeded model: a smoke test of the code path, not a measurement).
 """
 from __future__ import annotations
