@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -62,6 +63,8 @@ def load_model(checkpoint: Path, layout: str, kv: KVDType) -> tuple[ModelSpec, C
     state = {k: state[k].to(torch.float32) for k in expected}  # MTP layers and the like are not read
     if spec.rope_interleave == "pairs-to-halves":
         permute_rope_rows(spec, state)
+    if spec.architecture == "MiniCPM3ForCausalLM":
+        fold_minicpm3_scales(read_config(checkpoint), spec, state)
     model.load_state_dict(state, strict=False)
     return spec, model.eval()
 
@@ -77,6 +80,30 @@ def permute_rope_rows(spec: ModelSpec, state: dict[str, torch.Tensor]) -> None:
                                    ("kv_a_proj_with_mqa.bias", 1, spec.kv_lora_rank + dr)):
             if prefix + name in state:
                 state[prefix + name] = rope_rows_to_halves(state[prefix + name], heads, width, dr)
+
+
+# MiniCPM3Config's defaults (transformers), for a config.json that leaves them out
+MINICPM3_DEFAULTS = {"scale_emb": 12.0, "scale_depth": 1.4, "dim_model_base": 256}
+
+
+def fold_minicpm3_scales(cfg: dict, spec: ModelSpec, state: dict[str, torch.Tensor]) -> None:
+    """MiniCPM3 multiplies the embeddings by scale_emb, each residual branch (attention, MLP) by
+    scale_depth / sqrt(layers) and divides the final hidden state by hidden_size / dim_model_base
+    before lm_head; folded into weights here (o_proj, down_proj, the final norm; the embedding,
+    and for tied embeddings the final norm once more, since lm_head then reads the scaled
+    embedding), the graph is DeepSeek's. A null scale_depth / dim_model_base means no scaling."""
+    value = {k: cfg.get(k, default) for k, default in MINICPM3_DEFAULTS.items()}
+    layers = spec.num_layers
+    residual = (value["scale_depth"] if value["scale_depth"] is not None else math.sqrt(layers)) / math.sqrt(layers)
+    logits_scaling = spec.hidden_size / (value["dim_model_base"] or spec.hidden_size)
+    state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"] * value["scale_emb"]
+    norm_scale = 1.0 / logits_scaling / (value["scale_emb"] if spec.tie_word_embeddings else 1.0)
+    state["model.norm.weight"] = state["model.norm.weight"] * norm_scale
+    for i in range(layers):
+        for name in ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight"):
+            key = f"model.layers.{i}.{name}"
+            if key in state:
+                state[key] = state[key] * residual
 
 
 def tokenizer_info(checkpoint: Path) -> dict:

@@ -1,10 +1,14 @@
-"""python -m export.train --out DIR: train the small Llama-style model the quality benchmarks need.
+"""python -m export.train --out DIR [--architecture llama|mla]: train the small model the quality benchmarks need.
 
 Random weights give nearly flat logits, so KV-dtype and weight-quantization quality can only be
 judged on a model that has learned something. This trains one, reproducibly and offline, on the
 Python standard library's own top-level source files (every machine has them), with the
 tiny-llama tokenizer, holding out every HOLDOUT_EVERY-th file for perplexity. Fixed seeds, one
 thread, a fixed number of steps: the same Python version gives the same weights.
+
+`--architecture mla` trains a DeepSeek-V3-style model of the same width instead (Multi-head
+Latent Attention, dense layers), so the latent cache's KV dtypes are judged on a model that has
+learned something too; it is made on demand (bench section mla), not committed.
 
 The result is an ordinary Hugging Face checkpoint directory (config.json, model.safetensors in
 fp16, tokenizer files) plus training.json with the held-out perplexity of the saved weights.
@@ -34,12 +38,19 @@ TOKENIZER_PRESET = "tiny-llama"
 ARCHITECTURE = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                     intermediate_size=344, vocab_size=PRESETS[TOKENIZER_PRESET]["vocab_size"],
                     max_position_embeddings=2048)
+# DeepSeek-V3's proportions scaled to that width: kv_lora_rank = hidden / 2 (512 of 7168 is 1/14,
+# but a rank of 9 would say little), q_lora_rank 3/4 of hidden, nope = v = 2 x rope head dims.
+# rope_interleave off: the trained weights are in the half-split order the graph runs.
+MLA_ARCHITECTURE = dict(ARCHITECTURE, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+                        num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=96, qk_nope_head_dim=32,
+                        qk_rope_head_dim=16, v_head_dim=32, head_dim=16, rope_interleave=False,
+                        first_k_dense_replace=4, n_routed_experts=None)
+ARCHITECTURES = {"llama": (ARCHITECTURE, 1100), "mla": (MLA_ARCHITECTURE, 400)}  # (config, default steps)
 SEED = 0
 HOLDOUT_EVERY = 10  # files 9, 19, 29, ... of the sorted stdlib listing are never trained on
 CORPUS_BYTES = 64 << 20  # more than the stdlib's top level holds: take every file
 SEQ_LEN = 512
 BATCH = 4
-STEPS = 1100
 LR, MIN_LR_FRACTION, WARMUP = 4e-3, 0.1, 50
 
 
@@ -72,15 +83,15 @@ def forward(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
     b, s = ids.shape
     spec = model.spec
     empty = torch.zeros(b, spec.num_kv_heads, 0, spec.head_dim)
-    cache = [empty] * (2 * spec.num_layers)
+    cache = [empty] * (model.per_layer * spec.num_layers)
     positions = torch.arange(s).expand(b, s)
     return model(ids, torch.ones(b, s, dtype=torch.int64), positions, *cache)[0]
 
 
-def lr_at(step: int) -> float:
+def lr_at(step: int, steps: int) -> float:
     if step < WARMUP:
         return LR * (step + 1) / WARMUP
-    progress = (step - WARMUP) / max(1, STEPS - WARMUP)
+    progress = (step - WARMUP) / max(1, steps - WARMUP)
     return LR * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -98,10 +109,12 @@ def perplexity(model: CausalLM, stream: np.ndarray, window: int = EVAL_WINDOW) -
     return math.exp(total / count)
 
 
-def train(out: Path, steps: int) -> dict:
+def train(out: Path, steps: int | None = None, architecture: str = "llama") -> dict:
     torch.manual_seed(SEED)
     torch.set_num_threads(1)
-    config = {**hf_config(TOKENIZER_PRESET), **ARCHITECTURE, "torch_dtype": "float16"}
+    shape, default_steps = ARCHITECTURES[architecture]
+    steps = default_steps if steps is None else steps
+    config = {**hf_config(TOKENIZER_PRESET), **shape, "torch_dtype": "float16"}
     spec = ModelSpec.from_hf_config(config)
     tokenizer = train_tokenizer(spec.vocab_size)
     train_texts, held_texts = split_corpus()
@@ -128,7 +141,7 @@ def train(out: Path, steps: int) -> dict:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step)
+            group["lr"] = lr_at(step, steps)
         optimizer.step()
         losses.append(loss.item())
         if step % 100 == 0 or step == steps - 1:
@@ -162,9 +175,13 @@ def train(out: Path, steps: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m export.train", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("models/stdlib-llama"))
-    parser.add_argument("--steps", type=int, default=STEPS, help="optimizer steps (the default is what is committed)")
+    parser.add_argument("--architecture", default="llama", choices=list(ARCHITECTURES),
+                        help="llama: the committed default model; mla: a DeepSeek-V3-style one")
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"optimizer steps (default {', '.join(f'{k} {v[1]}' for k, v in ARCHITECTURES.items())}: "
+                             "the llama one is what is committed)")
     args = parser.parse_args(argv)
-    train(args.out, args.steps)
+    train(args.out, args.steps, args.architecture)
     return 0
 
 

@@ -21,17 +21,23 @@ MODEL_FILE = "model.onnx"
 OPSET = 24  # TensorScatter (the in-place KV write) needs opset 24
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-# Multi-head Latent Attention (DeepSeek-V2/V3): the cache holds one latent per token and layer.
-MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+                           "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "MiniCPM3ForCausalLM")
+# Multi-head Latent Attention (DeepSeek-V2/V3; MiniCPM3: the same attention with half-split RoPE,
+# its embedding/residual/logit scalings folded into the weights at load): the cache holds one
+# latent per token and layer.
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "MiniCPM3ForCausalLM")
 # "mha": multi-head attention with num_kv_heads K/V heads (MHA, GQA, MQA), two cache tensors
 # (key, value) per layer. "mla": one cache tensor (latent) per layer, [batch, 1, T, r + dr].
 ATTENTION_KINDS = ("mha", "mla")
-# The KV dtypes an MLA export emits, and why the others are refused.
-MLA_KV_DTYPES = ("fp32", "fp16")
+# The KV dtypes an MLA export emits, and why the others are refused. int8 stores one fp16 scale
+# per token for c_kv and one for k_pe (latent_scale [B, 1, T, 2]): their ranges differ (c_kv is
+# RMS-normalized, k_pe is not), so one shared scale would leave k_pe with a few int8 levels.
+MLA_KV_DTYPES = ("fp32", "fp16", "int8")
 MLA_REFUSED_DTYPE = ("the latent [c_kv | k_pe] is both the key and the value of every head and reaches them "
-                     "through W_UK and W_UV: the int8/int4 codecs (per-token or per-channel scales of K and V) "
-                     "have not been measured for accuracy on it, and fp8 runs nowhere yet")
+                     "through W_UK and W_UV: int8-static's per-channel scales are calibrated for separate K and V "
+                     "and int4's 16 levels have not been measured for accuracy on it, and fp8 runs nowhere yet")
+# The latent's parts that get a per-token scale each (int8): c_kv and k_pe.
+MLA_SCALE_PARTS = 2
 MLA_NO_TENSORRT = ("TensorRT is not built for MLA exports: its in-place KVCacheUpdate/attention path was "
                    "written for key/value pairs and no GPU host has validated the latent cache")
 KV_LAYOUTS = ("concat", "inplace")
@@ -244,7 +250,9 @@ class ModelSpec:
         rope = {**(cfg.get("rope_parameters") or {}), **(cfg.get("rope_scaling") or {})}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "yarn", None):
-            raise ManifestError(f"unsupported rope scaling {rope_type!r} for {arch}; default RoPE and yarn are supported")
+            raise ManifestError(f"unsupported rope scaling {rope_type!r} for {arch}; default RoPE and yarn are supported"
+                                + (" (longrope, MiniCPM3-4B's: per-channel short/long factors that switch with the "
+                                   "sequence length, is not exported yet)" if rope_type == "longrope" else ""))
         theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         yarn = None
         if rope_type == "yarn":
@@ -256,6 +264,8 @@ class ModelSpec:
             yarn.setdefault("factor", cfg["max_position_embeddings"] / yarn["original_max_position_embeddings"])
         if arch == "DeepseekV2ForCausalLM":
             interleave = "pairs"  # complex multiplication of consecutive pairs
+        elif arch == "MiniCPM3ForCausalLM":
+            interleave = "halves"  # Llama's rotate_half
         else:
             interleave = "pairs-to-halves" if cfg.get("rope_interleave", True) else "halves"
         r, dr = int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"])
@@ -284,10 +294,12 @@ def check_attention_dtype(spec: ModelSpec, dtype: str) -> None:
 
 def kv_bytes_per_token(spec: ModelSpec, dtype: str) -> int:
     """Bytes one token occupies in the cache: K and V, every layer and KV head (plus scales);
-    for MLA one latent of kv_lora_rank + qk_rope_head_dim per layer (no factor 2: it is K and V)."""
+    for MLA one latent of kv_lora_rank + qk_rope_head_dim per layer (no factor 2: it is K and V),
+    plus its two scales for int8."""
     d = kv_dtype(dtype)
     if spec.attention == "mla":
-        return spec.num_layers * (spec.kv_lora_rank + spec.qk_rope_head_dim) * d.bits // 8
+        scales = MLA_SCALE_PARTS * SCALE_BYTES if d.has_scale_tensors else 0
+        return spec.num_layers * ((spec.kv_lora_rank + spec.qk_rope_head_dim) * d.bits // 8 + scales)
     per_head = spec.head_dim * d.bits // 8 + (SCALE_BYTES if d.has_scale_tensors else 0)
     return 2 * spec.num_layers * spec.num_kv_heads * per_head
 
@@ -325,7 +337,7 @@ class TensorSpec:
 
 def kv_tensor_names(layer: int, prefix: str, quantized_scales: bool, attention: str = "mha") -> list[str]:
     if attention == "mla":
-        return [f"{prefix}.{layer}.latent"]
+        return [f"{prefix}.{layer}.latent"] + ([f"{prefix}.{layer}.latent_scale"] if quantized_scales else [])
     names = [f"{prefix}.{layer}.key", f"{prefix}.{layer}.value"]
     if quantized_scales:
         names += [f"{prefix}.{layer}.key_scale", f"{prefix}.{layer}.value_scale"]
@@ -346,11 +358,13 @@ def io_tensors(spec: ModelSpec, layout: str, dtype: str) -> tuple[list[TensorSpe
     from [P x seq chunk outputs, batch decode outputs]; logits [kept, vocab] only for the tokens in
     logit_index (generation: each sampling row's last token). The runner builds all of it from a
     right-padded batch (runtime/runners/ort.py, pack_step).
-    MLA: one tensor per layer, past_key_values.{i}.latent -> present.{i}.latent, [batch, 1, T, r + dr]."""
+    MLA: one tensor per layer, past_key_values.{i}.latent -> present.{i}.latent, [batch, 1, T, r + dr];
+    int8 adds past_key_values.{i}.latent_scale [batch, 1, T, 2] (the scales of c_kv and k_pe)."""
     check_layout_dtype(layout, dtype)
     check_attention_dtype(spec, dtype)
     d = kv_dtype(dtype)
     kvh, hd = spec.num_kv_heads, d.stored_head_dim(spec.head_dim)
+    scale_width = MLA_SCALE_PARTS if spec.attention == "mla" else 1
     if layout == "concat":
         inputs = [TensorSpec("input_ids", "int64", ("batch", "seq")),
                   TensorSpec("attention_mask", "int64", ("batch", "total")),
@@ -373,12 +387,12 @@ def io_tensors(spec: ModelSpec, layout: str, dtype: str) -> tuple[list[TensorSpe
             for name in kv_tensor_names(i, prefix, d.has_scale_tensors, spec.attention):
                 scale = name.endswith("_scale")
                 dest.append(TensorSpec(name, SCALE_STORAGE if scale else d.storage,
-                                       ("batch", kvh, length, 1 if scale else hd)))
+                                       ("batch", kvh, length, scale_width if scale else hd)))
     return inputs, outputs
 
 
 def kv_buffer_shape(tensor: TensorSpec, rows: int, length: int) -> tuple[int, int, int, int]:
-    """Shape of a runtime buffer for a cache tensor: [rows, kv_heads, length, D or 1]."""
+    """Shape of a runtime buffer for a cache tensor: [rows, kv_heads, length, D or its scales]."""
     return (rows, tensor.shape[1], length, tensor.shape[3])
 
 

@@ -28,13 +28,16 @@ VARIANTS = {
     "v3-halves-noqlora": ("v3", dict(rope_interleave=False, q_lora_rank=None)),
     # V2: complex (pairwise) rope; attention biases on q_a/kv_a/o
     "v2-pairs-bias": ("v2", dict(q_lora_rank=24, attention_bias=True)),
+    # MiniCPM3: DeepSeek's attention with half-split rope; embeddings x scale_emb (12), residual
+    # branches x scale_depth / sqrt(layers), hidden / (hidden / dim_model_base) before the tied lm_head
+    "minicpm3-scaled-tied": ("minicpm3", dict(q_lora_rank=24, dim_model_base=16)),
 }
 
 
 def hf_config(version: str, **overrides):
-    from transformers import DeepseekV2Config, DeepseekV3Config
+    from transformers import DeepseekV2Config, DeepseekV3Config, MiniCPM3Config
 
-    cls = DeepseekV3Config if version == "v3" else DeepseekV2Config
+    cls = {"v3": DeepseekV3Config, "v2": DeepseekV2Config, "minicpm3": MiniCPM3Config}[version]
     config = cls(**{**COMMON, **overrides})
     config.architectures = [cls.__name__.replace("Config", "ForCausalLM")]
     return config
@@ -127,10 +130,44 @@ def test_manifest_fields_and_latent_tensors(mla_exports):
     model = onnx.load(str(directory / "model.onnx"))
     inputs = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
     assert inputs["past_key_values.0.latent"] == ["batch", 1, "capacity", 40]
-    ops = [n.op_type for n in model.graph.node]
-    assert ops.count("TensorScatter") == 2 and ops.count("Attention") == 4  # one latent, chunk + decode per layer
-    assert {n.domain for n in model.graph.node} <= {"", "ai.onnx"}  # only standard ops, no contrib kernels
+    nodes = list(graph_nodes(model.graph))
+    ops = [n.op_type for n in nodes]
+    assert ops.count("TensorScatter") == 2 and ops.count("If") == 2  # one latent per layer, one If on the chunk width
+    assert ops.count("Attention") == 6  # per layer the decode query's, and the chunk's two in the If's branches
+    assert {n.domain for n in nodes} <= {"", "ai.onnx"}  # only standard ops, no contrib kernels
     assert all(o.domain in ("", "ai.onnx") for o in model.opset_import)
+
+
+def graph_nodes(graph):
+    """Every node of an ONNX graph, the If branches' subgraphs included."""
+    for node in graph.node:
+        yield node
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                yield from graph_nodes(attribute.g)
+
+
+def test_absorbed_and_decompressed_steps_agree(mla_exports):
+    """A step the cost model (export.model.decompresses) gives to the decompressed path takes the
+    If's decompressed branch (per-head K/V from kv_b_proj, standard attention), a narrower one the
+    absorbed: a prompt prefilled in one wide step and in narrow chunks gives the same logits at
+    every position (and verify checks both against transformers)."""
+    from export.model import decompresses
+    from runtime.runners import open_runner
+
+    directory = mla_exports("v2-pairs-bias")
+    runner = open_runner(directory)
+    wide, narrow, capacity = 48, 8, 64
+    spec = runner.manifest.model
+    assert decompresses(spec, wide, capacity) and not decompresses(spec, narrow, capacity)
+    assert not decompresses(spec, 1, capacity) and not decompresses(spec, 20, 1 << 20)  # decode; long context
+    prompt = np.random.default_rng(4).integers(3, VOCAB, wide)[None]
+    runner.allocate(1, capacity)
+    one_step = runner.step(prompt, np.array([0]), np.array([wide]), logit_positions=None)[0]
+    runner.allocate(1, capacity)
+    chunks = [runner.step(prompt[:, i:i + narrow], np.array([i]), np.array([narrow]), logit_positions=None)[0]
+              for i in range(0, wide, narrow)]
+    np.testing.assert_allclose(one_step, np.concatenate(chunks), atol=1e-5, rtol=0)
 
 
 def test_older_manifests_read_as_mha():
@@ -171,6 +208,55 @@ def test_fp16_latent_cache(mla_exports):
     assert Manifest.load(directory).kv_bytes_per_token == 2 * 40 * 2
     report = verify(directory, steps=16)
     assert report.passed and 0 < report.max_abs_diff <= 2e-2, report
+
+
+INT8_LOGIT_BOUND = 0.1  # max abs logit difference of the int8 latent from fp32 transformers (measured 0.038)
+
+
+@pytest.mark.parametrize("layout", ["inplace", "concat"])
+def test_int8_latent_cache(mla_exports, checkpoints, layout):
+    """int8 latent: one fp16 scale per token for c_kv and one for k_pe (latent_scale [B, 1, T, 2]),
+    logits within INT8_LOGIT_BOUND of fp32 transformers (logits of these models span ~10 units);
+    after a prefill the scales are each part's max |value| / 127 and the latent decodes to
+    transformers' cache within half a quantization step."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from export.verify import verify
+    from runtime.runners import open_runner
+
+    directory = mla_exports("v3-interleave-qlora-yarn", layout, "int8")
+    manifest = Manifest.load(directory)
+    assert manifest.kv_bytes_per_token == 2 * (40 + 2 * 2)  # layers x (r + dr int8 + two fp16 scales)
+    assert kv_block_spec(manifest).names == ("past_key_values.0.latent", "past_key_values.0.latent_scale",
+                                             "past_key_values.1.latent", "past_key_values.1.latent_scale")
+    inputs = {t.name: t for t in manifest.io()[0]}
+    assert inputs["past_key_values.1.latent"].dtype == "int8"
+    assert (inputs["past_key_values.1.latent_scale"].dtype, inputs["past_key_values.1.latent_scale"].shape[1:]) == \
+        ("float16", (1, "capacity" if layout == "inplace" else "past", 2))
+    report = verify(directory, steps=STEPS)
+    assert report.passed and report.max_abs_diff <= INT8_LOGIT_BOUND, report
+    if layout == "concat":
+        return
+    prompt = np.random.default_rng(1).integers(3, VOCAB, 21)
+    runner = open_runner(directory)
+    runner.allocate(1, 64)
+    runner.step(prompt[None], np.array([0]), np.array([len(prompt)]))
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints["v3-interleave-qlora-yarn"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        cache = hf(torch.tensor(prompt[None]), use_cache=True).past_key_values
+    for i in range(2):  # each part of each token has its own max: an int8 value of +-127 in both
+        latent = runner.kv_arrays[f"past_key_values.{i}.latent"][0, 0, :len(prompt)].astype(np.int32)
+        assert (np.abs(latent[:, :32]).max(-1) == 127).all() and (np.abs(latent[:, 32:]).max(-1) == 127).all()
+    # layer 0 sees the same input as transformers' (later layers see the int8 cache's effect)
+    c_kv, k_pe = cache.layers[0].keys[0, 0].numpy(), cache.layers[0].values[0, 0].numpy()  # [T, r], [T, dr]
+    scale = runner.kv_arrays["past_key_values.0.latent_scale"][0, 0, :len(prompt)].astype(np.float32)  # [T, 2]
+    expected = np.stack([np.abs(c_kv).max(-1), np.abs(k_pe).max(-1)], axis=-1) / 127
+    np.testing.assert_allclose(scale, expected, rtol=1e-3)  # fp16 storage: 11 significant bits
+    assert (scale[:, 0] != scale[:, 1]).all()
+    latent = runner.kv_arrays["past_key_values.0.latent"][0, 0, :len(prompt)].astype(np.float32)
+    step = np.repeat(scale, [32, 8], axis=-1)  # each channel's quantization step
+    assert (np.abs(latent * step - np.concatenate([c_kv, k_pe], -1)) <= 0.5 * step + 1e-6).all()
 
 
 @pytest.mark.parametrize("variant", ["v3-interleave-qlora-yarn", "v2-pairs-bias"])
@@ -222,10 +308,11 @@ def test_continuous_batching_equals_solo(mla_exports):
         assert result.token_ids == greedy_tokens(runner, prompt, n, {2})  # 2: the EOS
 
 
-def test_prefix_cache_hit_equals_miss_disk_tier_and_swap(mla_exports, tmp_path):
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_prefix_cache_hit_equals_miss_disk_tier_and_swap(mla_exports, tmp_path, dtype):
     """The block spec, the host pool, the disk tier and the copies are the ones of key/value
     caches: a hit (from RAM, or from disk after a restart) changes nothing, and a row swapped out
-    and back decodes on as before."""
+    and back decodes on as before; int8 blocks carry their latent_scale."""
     from runtime.kv.manager import HostBlockPool, KVManager
     from runtime.llm_engine import LLMEngine, SamplingParams
     from runtime.runners import open_runner
@@ -233,7 +320,7 @@ def test_prefix_cache_hit_equals_miss_disk_tier_and_swap(mla_exports, tmp_path):
 
     from kvforge.manifest import cache_namespace
 
-    directory = mla_exports("v2-pairs-bias")
+    directory = mla_exports("v2-pairs-bias", dtype=dtype)
     document = np.random.default_rng(3).integers(3, VOCAB, 70).tolist()
     prompt = document + [7, 8, 9]
     params = SamplingParams(max_tokens=24)
@@ -281,24 +368,29 @@ def _config_dict(version="v3", **overrides):
     return config
 
 
-def test_moe_fp8_and_quantized_kv_are_refused(tmp_path, checkpoints):
+def test_moe_fp8_and_unmeasured_kv_dtypes_are_refused(tmp_path, checkpoints):
     with pytest.raises(ManifestError, match="first_k_dense_replace=1 < num_hidden_layers=2.*n_routed_experts|"
                                             "n_routed_experts=.*first_k_dense_replace=1"):
         ModelSpec.from_hf_config(_config_dict(first_k_dense_replace=1))
     assert ModelSpec.from_hf_config({**_config_dict(first_k_dense_replace=1), "n_routed_experts": None}).attention == "mla"
     moe = ModelSpec.from_hf_config(_config_dict(first_k_dense_replace=0), cache_only=True)  # kv_size reads MoE configs
     assert kv_bytes_per_token(moe, "fp32") == 2 * 40 * 4
+    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+                "original_max_position_embeddings": 128}
+    with pytest.raises(ManifestError, match="unsupported rope scaling 'longrope' for MiniCPM3ForCausalLM.*MiniCPM3-4B"):
+        ModelSpec.from_hf_config({**_config_dict("minicpm3"), "rope_parameters": longrope})
     fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
     with pytest.raises(ManifestError, match="quantization_config.*fp8"):
         ModelSpec.from_hf_config({**_config_dict(), "quantization_config": fp8})
     spec = ModelSpec.from_hf_config(_config_dict())
-    for dtype in ("int8", "int8-static", "int4", "fp8"):
-        with pytest.raises(ManifestError, match=f"KV dtype {dtype} is not available for MLA"):
+    for dtype in ("int8-static", "int4", "fp8"):
+        with pytest.raises(ManifestError, match=f"KV dtype {dtype} is not available for MLA.*supports fp32, fp16, "
+                                                "int8: the latent"):
             io_tensors(spec, "inplace", dtype)
     from tests.conftest import run_cli
 
     result = run_cli("export", "--model", str(checkpoints["v3-halves-noqlora"]), "--out", str(tmp_path / "o"),
-                     "--kv-dtype", "int8")
+                     "--kv-dtype", "int4")
     assert result.returncode == 2 and "not available for MLA" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "o").exists()
 
@@ -337,4 +429,36 @@ def test_kv_size_shows_mla_beside_mha_and_gqa(tmp_path):
     assert rows["gqa-8"]["bytes_per_token"] == 2 * 61 * 8 * 128 * 2
     table = run_cli("export.kv_size", "--model", str(tmp_path), "--context", "4096")
     assert table.returncode == 0, table.stderr
-    assert "mla" in table.stdout and "gqa-8" in table.stdout and "int8" not in table.stdout
+    assert "mla" in table.stdout and "gqa-8" in table.stdout and "int4" not in table.stdout
+    int8 = run_cli("export.kv_size", "--model", str(tmp_path), "--context", "4096", "--kv-dtype", "int8", "--json")
+    rows = {row["attention"]: row for row in json.loads(int8.stdout)["rows"]}
+    assert rows["mla"]["bytes_per_token"] == 61 * (512 + 64 + 2 * 2)  # int8 latent and its two fp16 scales
+
+
+# ---------------------------------------------------------------- through Triton
+
+
+def test_streamed_through_triton_equals_in_process(mla_exports, tmp_path):
+    """What `make build-engines MODEL=<dir>` and `make serve` run, on an int8-latent DeepSeek-V3
+    export: `engines build` (its parity gate included), `engines repository`, the launcher with a
+    real tritonserver; a streamed greedy answer through `llm` equals LLMEngine's in process."""
+    from clients.api import LLMClient
+    from launcher.harness import TritonServer, free_ports
+    from runtime.llm_engine import LLMEngine, SamplingParams
+    from tests.conftest import run_cli
+
+    engine_dir, repo = tmp_path / "engine", tmp_path / "model_repository"
+    run_cli("engines", "build", str(mla_exports("v3-interleave-qlora-yarn", dtype="int8")), "--backend", "auto",
+            "--out", str(engine_dir), check=True)
+    run_cli("engines", "repository", str(engine_dir), "--repo", str(repo), check=True)
+    prompt = "def fibonacci(n):"
+    with LLMEngine(engine_dir) as engine:
+        expected = engine.generate([prompt], SamplingParams(max_tokens=24))[0]
+    # The server runs from this checkout (the harness's cwd), and so does its python stub: the
+    # int8-latent manifest would not load with code older than this test.
+    http, grpc, metrics = free_ports(3)
+    with TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics) as server:
+        deltas = list(LLMClient(server.grpc_url, "grpc").stream(prompt, max_tokens=24))
+    assert len(deltas) > 1  # streamed, one response per token
+    assert [t for d in deltas for t in d.token_ids] == expected.token_ids
+    assert "".join(d.text for d in deltas) == expected.text
