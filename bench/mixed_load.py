@@ -36,7 +36,7 @@ def shape(quick: bool) -> dict:
     if quick:
         return dict(model=None, budgets=(PREFILL_BUDGET,), rounds=1, stream_prompt=16, warm_tokens=4, long_tokens=96,
                     long_count=2, background=2, load_lengths=(64, 96), rates=(0.5,), load_seconds=6.0)
-    return dict(model="small-llama", budgets=(32, PREFILL_BUDGET, 256), rounds=3, stream_prompt=100, warm_tokens=20,
+    return dict(model="small-llama", budgets=(PREFILL_BUDGET, 48, 256), rounds=3, stream_prompt=100, warm_tokens=20,
                 long_tokens=2000, long_count=2, background=4, load_lengths=(1000, 2000, 3000), rates=(0.05, 0.15),
                 load_seconds=40.0)
 
@@ -145,7 +145,9 @@ def load_run(client, background_prompts: list[str], long_prompts: list[str], rat
     started, longs, at = time.perf_counter(), [], draw.expovariate(rate)
     while at < s["load_seconds"]:
         time.sleep(max(0.0, started + at - time.perf_counter()))
-        longs.append(Stream(client, long_prompts[len(longs) % len(long_prompts)], 8))
+        # a header of its own keeps every arrival fresh: no prefix hit from an earlier one
+        text = f"# arrival {len(longs)} at rate {rate}\n" + long_prompts[len(longs) % len(long_prompts)]
+        longs.append(Stream(client, text, 8))
         longs[-1].start()
         at += draw.expovariate(rate)
     for t in longs:

@@ -17,6 +17,7 @@ from multiprocessing.connection import Listener
 from pathlib import Path
 
 from kvforge import env
+from kvforge.block_hash import placement_tags
 from kvforge.errors import KVForgeError
 from kvforge.manifest import Manifest, cache_namespace, kv_block_spec
 from runtime.disaggregation import AUTHKEY_ENV, LEASE_SECONDS
@@ -52,7 +53,7 @@ def serve(engine_dir: Path, socket: Path, threads: int | None, handoff_dir: Path
             errors = transport.stats.counters["errors"]
             entries = [(h, codec.encode(h, {name: array[i] for name, array in blocks.items()}))
                        for i, h in enumerate(hashes)]
-            transport.put_many(entries)
+            transport.put_many(entries, placement_tags(hashes, 0, len(hashes)))  # grouped as the engine reads them
             if job in cancelled and handoff_dir is not None:  # cancelled while written: nobody takes it
                 transport.discard(hashes)
             ok = transport.stats.counters["errors"] == errors

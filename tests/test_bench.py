@@ -12,19 +12,20 @@ import pytest
 
 from tests.conftest import run_cli
 
-# python -m bench --quick runs in the first test's setup, bounded at 900 s by run_cli: above the
+# python -m bench --quick runs in the first test's setup, bounded at 1500 s by run_cli: above the
 # suite's default per-test timeout (pyproject.toml)
-pytestmark = pytest.mark.timeout(1200)
+pytestmark = pytest.mark.timeout(1800)
 
 SECTIONS = ("cache_speedup", "layouts", "kv_dtypes", "peers", "serving", "roofline", "weights", "prefix_cache",
-            "kv_tiers", "fleet", "mixed_load")
-PLOTS = ("cache.png", "layouts.png", "serving.png", "prefix_cache.png", "kv_tiers.png", "fleet.png", "mixed_load.png")
+            "kv_tiers", "fleet", "mixed_load", "mla")
+PLOTS = ("cache.png", "layouts.png", "serving.png", "prefix_cache.png", "kv_tiers.png", "fleet.png", "mixed_load.png",
+         "mla.png")
 
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    result = run_cli("bench", "--quick", "--out", str(out), timeout=900)
+    result = run_cli("bench", "--quick", "--out", str(out), timeout=1500)
     assert (out / "bench.json").is_file(), result.stderr[-4000:]
     return out, json.loads((out / "bench.json").read_text()), result
 
@@ -205,6 +206,49 @@ def test_mixed_load_structure(quick_run):
     assert handoffs["handoffs"] == handoffs["remote"] > 0 and handoffs["failures"] == 0
     rows = [t for t in results["targets"] if t["target"].startswith("mixed_load:")]
     assert len(rows) == 5 and all(t["met"] in (True, False) for t in rows[:2] + rows[3:])
+
+
+def test_mla_structure(quick_run):
+    """Issue 21: the latent cache's bytes from the engines' own accounting, prefill absorbed vs
+    decompressed, decode, the latent KV dtypes' quality, and the section's targets."""
+    out, results, run = quick_run
+    section = results["mla"]
+    assert section["status"] == "ok" and run.returncode == 0, (section.get("error"), run.stderr[-3000:])
+    shape = section["shape"]
+    # bytes: the runners' own buffers agree with the manifest; MHA and GQA hold more per token than the latent
+    rows = {(r["model"], r["kv_dtype"]): r for r in section["accounting"]}
+    assert set(rows) == {("mla", "fp16"), ("mla", "int8"), (f"mha-{shape['gqa_heads']}", "fp16"),
+                         (f"gqa-{shape['gqa_kv_heads']}", "fp16")}
+    for r in rows.values():
+        assert r["bytes_per_token"] == r["manifest_bytes_per_token"] > 0
+        assert 0 < r["sequences_admitted"] <= r["sequences_by_bytes"]
+    mla = rows[("mla", "fp16")]
+    assert mla["bytes_per_token"] == 2 * (shape["kv_lora_rank"] + shape["qk_rope_head_dim"])  # one layer
+    assert rows[("mla", "int8")]["bytes_per_token"] == shape["kv_lora_rank"] + shape["qk_rope_head_dim"] + 4
+    assert all(r["x_mla_fp16"] > 1 for (model, _), r in rows.items() if model != "mla")
+    # prefill: every (past, width) with both paths; decode: every context
+    assert [(r["past"], r["width"]) for r in section["prefill"]] == [
+        (p, w) for p in shape["prefill_pasts"] for w in shape["prefill_widths"]]
+    for r in section["prefill"]:
+        assert r["absorbed"]["median_ms"] > 0 and r["decompressed"]["median_ms"] > 0 and r["decompressed_speedup"] > 0
+    assert [r["context"] for r in section["decode"]] == list(shape["decode_contexts"])
+    assert all(r[p]["tokens_per_s"] > 0 for r in section["decode"] for p in ("absorbed", "decompressed"))
+    assert section["long_context_crossover"] > 0
+    assert {r["if_picks"] for r in section["prefill"]} <= {"absorbed", "decompressed"}
+    # quality (on the seeded model in a quick run): fp32 is the reference
+    dtypes = section["quality"]["dtypes"]
+    assert [d["kv_dtype"] for d in dtypes] == ["fp32", "fp16", "int8"]
+    assert all(d["perplexity"] > 1 for d in dtypes) and "perplexity_vs_fp32_percent" in dtypes[2]
+    assert isinstance(section["units"], dict) and section["units"]
+    # report: its targets (the quick run does not judge int8 quality on a few training steps), bench.md, the plot
+    targets = {t["target"]: t for t in results["targets"] if t["target"].startswith("MLA")}
+    assert len(targets) == 2
+    size = next(t for name, t in targets.items() if "smaller" in name)
+    assert isinstance(size["met"], bool) and size["measured"] not in ("", "-")
+    assert next(t for name, t in targets.items() if "int8" in name)["met"] is None
+    md = (out / "bench.md").read_text()
+    assert "## MLA" in md and "decompressed speedup" in md
+    assert png_ok((out / "mla.png").read_bytes())
 
 
 def test_plots_and_targets_table(quick_run):

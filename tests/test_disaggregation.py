@@ -147,6 +147,23 @@ def test_leases_expire_and_are_swept(fp32, tmp_path):
     assert len(tier.get_many(hashes[1:])) == 1 and tier.present(hashes[1:]) == 0  # taken: the lease is over
 
 
+def test_across_hosts_the_handoff_goes_through_redis_and_a_dead_redis_costs_recompute(fp32, aggregated):
+    from launcher.redis_server import RedisServer
+
+    with RedisServer(free_ports(1)[0]) as redis:
+        over_redis = Disaggregation(threads=1, threshold_tokens=64, transport="redis")
+        with started(LLMEngine(fp32, kv_redis_url=redis.url, disaggregation=over_redis)) as engine:
+            assert engine.pd.handoff is None  # no /dev/shm: the Redis tier is the transport
+            out = engine.generate([BATCH[0]], PARAMS[0])[0]
+            stats = engine.stats()
+            assert out.token_ids == aggregated[0] and out.cached_tokens == (len(BATCH[0]) - 1) // 16 * 16
+            assert stats["pd_handoffs"] == 1 and stats["tiers"]["redis"]["hit_blocks"] == out.cached_tokens // 16
+            redis.kill()  # the shared store dies: the next hand-off fails and is recomputed here
+            again = engine.generate([BATCH[2]], PARAMS[2])[0]
+            assert again.token_ids == aggregated[2] and again.cached_tokens == 0
+            assert engine.stats()["pd_handoff_failures"] == 1
+
+
 def test_disaggregation_needs_the_prefix_cache_and_is_checked_at_start(fp32, tmp_path):
     with pytest.raises(ValueError, match="needs the prefix cache"):
         LLMEngine(fp32, prefix_cache=False, disaggregation=PD)
