@@ -50,13 +50,14 @@ def serve(engine_dir: Path, socket: Path, threads: int | None, handoff_dir: Path
                 return
             began = time.perf_counter()
             hashes, blocks = engine.cached_blocks(ids, salt)
-            errors = transport.stats.counters["errors"]
+            written = transport.stats.counters["written_blocks"]
             entries = [(h, codec.encode(h, {name: array[i] for name, array in blocks.items()}))
                        for i, h in enumerate(hashes)]
             transport.put_many(entries, placement_tags(hashes, 0, len(hashes)))  # grouped as the engine reads them
             if job in cancelled and handoff_dir is not None:  # cancelled while written: nobody takes it
                 transport.discard(hashes)
-            ok = transport.stats.counters["errors"] == errors
+            # acknowledged: every block stored (a tier in its backoff, or a failed write, stores fewer)
+            ok = transport.stats.counters["written_blocks"] - written == len(entries)
             reply({"job": job, "ok": ok, "blocks": len(hashes), "bytes": sum(len(raw) for _, raw in entries),
                    "prefill_seconds": began - submitted, "write_seconds": time.perf_counter() - began,
                    "error": None if ok else "the hand-off could not be written (is /dev/shm full?)"})

@@ -64,7 +64,8 @@ class HandoffTier(Tier):
 
     def put_many(self, entries: list[tuple[bytes, bytes]], tags: list[bytes] | None = None) -> None:
         """Write every entry (atomically: a reader sees a whole file or none); a failure (/dev/shm
-        full) is counted in stats.errors, which the writer checks before it reports the hand-off."""
+        full) stops the writes and is counted; the writer checks written_blocks before it reports
+        the hand-off."""
         for block_hash, raw in entries:
             path = self._path(block_hash)
             tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
