@@ -102,7 +102,6 @@ class PrefillWorker:
         self.process: subprocess.Popen | None = None
         self.in_flight: dict[int, float] = {}  # job -> when it was sent
         self.closed = False
-        self.counters = dict(pd_worker_starts=0, pd_worker_deaths=0)
         self.supervisor = threading.Thread(target=self._supervise, name="kvforge-pd-supervisor", daemon=True)
         self.supervisor.start()
         threading.Thread(target=self._expire, name="kvforge-pd-expiry", daemon=True).start()
@@ -175,7 +174,6 @@ class PrefillWorker:
         if self.config.transport == "redis":
             environment["KVFORGE_KV_REDIS_URL"] = self.config.redis_url
         self.process = subprocess.Popen(self._command(), env=environment, stdin=subprocess.DEVNULL)
-        self.counters["pd_worker_starts"] += 1
         deadline = time.monotonic() + START_TIMEOUT
         while not socket.exists():
             if self.process.poll() is not None or time.monotonic() > deadline or self.closed:
@@ -216,8 +214,6 @@ class PrefillWorker:
             if self.process.poll() is None:
                 self.process.kill()
             self.process.wait()
-            if not self.closed:
-                self.counters["pd_worker_deaths"] += 1
         for job in lost:
             self.on_done(job, False, {"error": "the prefill worker died"})
 
