@@ -62,7 +62,7 @@ from frontend.openai_api import APIError, ChatRequest, CompletionRequest, OpenAI
 from frontend.proxy import DROPPED_HEADERS, STREAM_ERROR, error, generate_body_error, request_id_of, \
     response_headers, retry_after
 from kvforge import env
-from kvforge.block_hash import block_hash, root_hash
+from kvforge.block_hash import chain
 from kvforge.cli import fail_cleanly
 from kvforge.errors import INTERNAL, UNAVAILABLE
 from kvforge.manifest import KV_BLOCK_TOKENS, cache_namespace, kv_block_spec
@@ -120,11 +120,9 @@ class Prompts:
         self.block_bytes = kv_block_spec(self.openai.manifest).bytes_per_block
 
     def prompt(self, ids: list[int], salt: str | None) -> Prompt:
-        parent, chain = root_hash(self.namespace, salt.encode() if salt else None), []
-        for start in range(0, len(ids) - KV_BLOCK_TOKENS + 1, KV_BLOCK_TOKENS):
-            parent = block_hash(parent, ids[start:start + KV_BLOCK_TOKENS])
-            chain.append(parent)
-        return Prompt(ids, salt, chain)
+        hashes = chain(self.namespace, salt.encode() if salt else None, ids, len(ids) // KV_BLOCK_TOKENS,
+                       KV_BLOCK_TOKENS)
+        return Prompt(ids, salt, hashes)
 
     def answered(self, prompt: Prompt, generated: list[int]) -> Prompt:
         """The tokens a replica holds the KV of once it generated `generated` after `prompt`: all
