@@ -35,7 +35,8 @@ def serve(engine_dir: Path, socket: Path, threads: int | None, handoff_dir: Path
         transport = HandoffTier(handoff_dir, codec)
     else:
         transport = RedisTier(os.environ[env.KV_REDIS_URL], codec, ttl_seconds=int(lease_seconds))
-    parent, send_lock, jobs, cancelled = os.getppid(), threading.Lock(), {}, set()
+    parent, send_lock, cancelled = os.getppid(), threading.Lock(), set()
+    submitted_at, request_ids = {}, {}  # job -> when it arrived; job -> its request in this engine
     with LLMEngine(engine_dir, threads=threads, slots=1) as engine, \
             Listener(str(socket), family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop(AUTHKEY_ENV))) as listener:
         conn = listener.accept()
@@ -50,14 +51,13 @@ def serve(engine_dir: Path, socket: Path, threads: int | None, handoff_dir: Path
                 return
             began = time.perf_counter()
             hashes, blocks = engine.cached_blocks(ids, salt)
-            written = transport.stats.counters["written_blocks"]
             entries = [(h, codec.encode(h, {name: array[i] for name, array in blocks.items()}))
                        for i, h in enumerate(hashes)]
-            transport.put_many(entries, placement_tags(hashes, 0, len(hashes)))  # grouped as the engine reads them
+            # grouped as the engine reads them; acknowledged only when every block is stored
+            stored = transport.put_many(entries, placement_tags(hashes, 0, len(hashes)))
             if job in cancelled and handoff_dir is not None:  # cancelled while written: nobody takes it
                 transport.discard(hashes)
-            # acknowledged: every block stored (a tier in its backoff, or a failed write, stores fewer)
-            ok = transport.stats.counters["written_blocks"] - written == len(entries)
+            ok = stored == len(entries)
             reply({"job": job, "ok": ok, "blocks": len(hashes), "bytes": sum(len(raw) for _, raw in entries),
                    "prefill_seconds": began - submitted, "write_seconds": time.perf_counter() - began,
                    "error": None if ok else "the hand-off could not be written (is /dev/shm full?)"})
@@ -71,7 +71,8 @@ def serve(engine_dir: Path, socket: Path, threads: int | None, handoff_dir: Path
 
         def on_output(job, ids, salt, out):
             if out.finished:
-                _, submitted = jobs.pop(job, (None, time.perf_counter()))
+                submitted = submitted_at.pop(job)
+                request_ids.pop(job, None)
                 threading.Thread(target=hand_off_or_fail, args=(job, ids, salt, out, submitted), daemon=True).start()
 
         def watch_parent():
@@ -90,17 +91,21 @@ def serve(engine_dir: Path, socket: Path, threads: int | None, handoff_dir: Path
             job = message["job"]
             if message["op"] == "cancel":
                 cancelled.add(job)
-                if job in jobs:
-                    engine.cancel(jobs.pop(job)[0])
+                if job in request_ids:
+                    engine.cancel(request_ids.pop(job))
                 continue
             ids, salt = message["ids"], bytes.fromhex(message["salt"]) if message["salt"] else None
-            submitted = time.perf_counter()
+            submitted_at[job] = time.perf_counter()
             try:
-                jobs[job] = (engine.submit(ids, SamplingParams(max_tokens=1),
-                                           lambda out, j=job, i=ids, s=salt: on_output(j, i, s, out),
-                                           cache_salt=salt), submitted)
+                request_ids[job] = engine.submit(ids, SamplingParams(max_tokens=1),
+                                                 lambda out, j=job, i=ids, s=salt: on_output(j, i, s, out),
+                                                 cache_salt=salt)
             except KVForgeError as e:  # e.g. its queue is full: the decode side prefills it
+                submitted_at.pop(job)
                 reply({"job": job, "ok": False, "error": str(e)})
+                continue
+            if job not in submitted_at:  # it finished before submit returned
+                request_ids.pop(job, None)
 
 
 def main(argv: list[str] | None = None) -> int:

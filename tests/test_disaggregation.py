@@ -63,6 +63,20 @@ def test_disaggregated_tokens_equal_aggregated(fp32, aggregated):
     assert stats["pd_handoff_bytes"] > 0 and stats["pd_prefill_queue"] == 0
 
 
+def test_simultaneous_handoffs_are_each_acknowledged(fp32, aggregated):
+    """Every prompt goes remote at once (one of them without a full block to hand over): the
+    worker's hand-offs overlap, and each is judged by its own writes (a CI run once failed one
+    whose count included another's blocks)."""
+    every = Disaggregation(threads=1, threshold_tokens=0, max_queue=len(BATCH) + 1)
+    short = prompts(11, (9,))[0]
+    with started(LLMEngine(fp32, disaggregation=every)) as engine:
+        outputs = engine.generate(BATCH + [short], PARAMS + [PARAMS[0]])
+        stats = engine.stats()
+    assert [r.token_ids for r in outputs[:len(BATCH)]] == aggregated and outputs[-1].cached_tokens == 0
+    assert stats["pd_remote_prefills"] == stats["pd_handoffs"] == len(BATCH) + 1
+    assert stats["pd_handoff_failures"] == 0 and stats["pd_local_prefills"] == 0
+
+
 def test_a_killed_prefill_worker_loses_no_request_and_is_restarted(fp32, aggregated):
     with started(LLMEngine(fp32, disaggregation=PD)) as engine:
         worker = engine.pd.process
@@ -139,7 +153,7 @@ def test_leases_expire_and_are_swept(fp32, tmp_path):
     tier = HandoffTier(tmp_path / "handoff", codec)
     hashes = chain(codec.namespace, None, BATCH[0], 2, 16)
     blocks = {t.name: np.ones(spec.block_shape(t.name), t.dtype) for t in spec.tensors}
-    tier.put_many([(h, codec.encode(h, blocks)) for h in hashes])
+    assert tier.put_many([(h, codec.encode(h, blocks)) for h in hashes]) == 2
     assert tier.present(hashes) == 2 and tier.sweep(lease_seconds=60) == 0
     old = os.path.getmtime(tier.dir / f"{hashes[0].hex()}.kvb") - 120
     os.utime(tier.dir / f"{hashes[0].hex()}.kvb", (old, old))

@@ -81,8 +81,9 @@ class Tier(ABC):
         placement tag (kvforge.block_hash.placement_tags), for a tier that spreads blocks over nodes."""
 
     @abstractmethod
-    def put_many(self, entries: list[tuple[bytes, bytes]], tags: list[bytes] | None = None) -> None:
-        """Store encoded entries (block hash, entry bytes), with their placement tags."""
+    def put_many(self, entries: list[tuple[bytes, bytes]], tags: list[bytes] | None = None) -> int:
+        """Store encoded entries (block hash, entry bytes), with their placement tags; returns how
+        many the tier holds now (a failed write, a tier in its backoff: fewer, without an error)."""
 
     def close(self) -> None:
         pass

@@ -121,14 +121,15 @@ class DiskTier(Tier):
         self.stats.count("miss_blocks")
         self.stats.count("corrupt_blocks" if corrupt else "errors")
 
-    def put_many(self, entries: list[tuple[bytes, bytes]], tags: list[bytes] | None = None) -> None:
-        for block_hash, raw in entries:
-            self._put(block_hash, raw)
+    def put_many(self, entries: list[tuple[bytes, bytes]], tags: list[bytes] | None = None) -> int:
+        return sum(self._put(block_hash, raw) for block_hash, raw in entries)
 
-    def _put(self, block_hash: bytes, raw: bytes) -> None:
+    def _put(self, block_hash: bytes, raw: bytes) -> bool:
         with self.lock:
-            if not self.enabled or block_hash in self.index or len(raw) > self.budget_bytes:
-                return
+            if block_hash in self.index:
+                return True
+            if not self.enabled or len(raw) > self.budget_bytes:
+                return False
             self._evict(len(raw))
         path = self._path(block_hash)
         tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
@@ -142,13 +143,14 @@ class DiskTier(Tier):
                 self._switch_off(e)
             else:
                 self.stats.count("errors")
-            return
+            return False
         with self.lock:
             if block_hash not in self.index:
                 self.index[block_hash] = len(raw)
                 self.bytes_used += len(raw)
         self.stats.count("written_blocks")
         self.stats.count("written_bytes", len(raw))
+        return True
 
     def _evict(self, incoming: int) -> None:
         """Under the lock: drop least recently used files until `incoming` more bytes fit."""

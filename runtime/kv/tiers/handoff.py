@@ -62,11 +62,10 @@ class HandoffTier(Tier):
         self.stats.count("miss_blocks", len(hashes) - len(found))
         return found
 
-    def put_many(self, entries: list[tuple[bytes, bytes]], tags: list[bytes] | None = None) -> None:
+    def put_many(self, entries: list[tuple[bytes, bytes]], tags: list[bytes] | None = None) -> int:
         """Write every entry (atomically: a reader sees a whole file or none); a failure (/dev/shm
-        full) stops the writes and is counted; the writer checks written_blocks before it reports
-        the hand-off."""
-        for block_hash, raw in entries:
+        full) stops the writes and is counted."""
+        for written, (block_hash, raw) in enumerate(entries):
             path = self._path(block_hash)
             tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
             try:
@@ -77,9 +76,10 @@ class HandoffTier(Tier):
                 with contextlib.suppress(OSError):
                     tmp.unlink()
                 self.stats.count("errors")
-                return
+                return written
             self.stats.count("written_blocks")
             self.stats.count("written_bytes", len(raw))
+        return len(entries)
 
     def discard(self, hashes: list[bytes]) -> None:
         for h in hashes:

@@ -195,14 +195,15 @@ class RedisTier(Tier):
         self.stats.count("read_bytes", nbytes)
         return found
 
-    def put_many(self, entries: list[tuple[bytes, bytes]], tags: list[bytes] | None = None) -> None:
+    def put_many(self, entries: list[tuple[bytes, bytes]], tags: list[bytes] | None = None) -> int:
         if not entries or not self.available():
-            return
+            return 0
         raw_of = {self.key(h, t): raw for (h, raw), t in zip(entries, tags or [h for h, _ in entries])}
         replies = self._pipelined(list(raw_of), lambda pipe, key: pipe.set(key, raw_of[key], ex=self.ttl))
         stored = [raw for raw, reply in zip(raw_of.values(), replies) if reply]
         self.stats.count("written_blocks", len(stored))
         self.stats.count("written_bytes", sum(map(len, stored)))
+        return len(stored)
 
     def close(self) -> None:
         if self.client is not None:
