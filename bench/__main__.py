@@ -2,7 +2,8 @@
 
 Sections (issue 5): cache vs no cache, KV layouts, KV dtypes, peers, serving through Triton,
 roofline, prefill (issue 13), weight quantization; (issue 9) prefix caching; (issue 10) KV tiers;
-(issue 22) a fleet behind the router; (issue 20) streams beside long prompts per scheduler; (issue 21) mla.
+(issue 22) a fleet behind the router; (issue 20) streams beside long prompts per scheduler; (issue 21) mla;
+(issue 23) prompt-lookup speculation.
 Writes DIR/bench.json, DIR/bench.md and PNG plots; a section
 that fails is recorded with its error, the others still run, and the exit code is 1.
 """
@@ -21,7 +22,7 @@ from bench import common, report
 from bench.common import ROOT, Artifacts, SectionError, params, say
 
 SECTIONS = ("layouts", "cache", "kv_dtypes", "peers", "roofline", "prefill", "weights", "serving", "prefix_cache",
-            "kv_tiers", "fleet", "mixed_load", "mla")
+            "kv_tiers", "fleet", "mixed_load", "mla", "speculative")
 
 
 def prepare(p, artifacts: Artifacts, sections: set[str]) -> None:

@@ -29,6 +29,9 @@ DISAGGREGATE = "KVFORGE_DISAGGREGATE"  # 0 | 1: a prefill worker process beside 
 PREFILL_THREADS = "KVFORGE_PREFILL_THREADS"  # the prefill worker's intra-op threads
 PD_THRESHOLD = "KVFORGE_PD_THRESHOLD"  # uncached prompt tokens above which a prompt is prefilled remotely
 PD_TRANSPORT = "KVFORGE_PD_TRANSPORT"  # shm (one host) | redis (the KV Redis tier)
+SPECULATIVE = "KVFORGE_SPECULATIVE"  # off | ngram: requests verify tokens drafted from their context
+SPECULATIVE_METHODS = ("off", "ngram")
+SPECULATIVE_TOKENS = "KVFORGE_SPECULATIVE_TOKENS"  # the most tokens a draft holds
 CHECKPOINTS = "KVFORGE_CHECKPOINTS"  # where presets are materialized (default: build/checkpoints)
 
 # engine option -> its variable, for the whole-number options
@@ -42,7 +45,8 @@ def model_environment(control_key: str, access_log: Path, prefix_cache: bool = T
                       kv_redis_ttl: int | None = None, queue_timeout: float | None = None,
                       request_timeout: float | None = None, prefill_budget: int | None = None,
                       scheduler: str | None = None, disaggregate: bool = False, prefill_threads: int | None = None,
-                      pd_threshold: int | None = None, pd_transport: str | None = None) -> dict[str, str]:
+                      pd_threshold: int | None = None, pd_transport: str | None = None,
+                      speculative: str | None = None, speculative_tokens: int | None = None) -> dict[str, str]:
     """The variables for the llm model's process (unset options are left out; a KVFORGE_KV_REDIS_URL
     already in the launcher's environment reaches the model with the rest of it)."""
     values = {CONTROL_KEY: control_key, ACCESS_LOG: str(access_log), PREFIX_CACHE: "1" if prefix_cache else "0",
@@ -50,7 +54,8 @@ def model_environment(control_key: str, access_log: Path, prefix_cache: bool = T
               KV_DISK_BYTES: kv_disk_bytes, KV_REDIS_URL: kv_redis_url, KV_REDIS_TTL: kv_redis_ttl,
               QUEUE_TIMEOUT: queue_timeout, REQUEST_TIMEOUT: request_timeout, PREFILL_BUDGET: prefill_budget,
               SCHEDULER: scheduler, DISAGGREGATE: "1" if disaggregate else None, PREFILL_THREADS: prefill_threads,
-              PD_THRESHOLD: pd_threshold, PD_TRANSPORT: pd_transport}
+              PD_THRESHOLD: pd_threshold, PD_TRANSPORT: pd_transport, SPECULATIVE: speculative,
+              SPECULATIVE_TOKENS: speculative_tokens}
     return {name: str(value) for name, value in values.items() if value is not None and value != ""}
 
 
@@ -80,6 +85,14 @@ def engine_options(environ: Mapping[str, str] = os.environ) -> dict:
         options["disaggregation"] = {key: int(environ[name]) for key, name in pd.items() if environ.get(name)}
         if environ.get(PD_TRANSPORT):
             options["disaggregation"]["transport"] = environ[PD_TRANSPORT]
+    speculative = environ.get(SPECULATIVE) or SPECULATIVE_METHODS[0]
+    if speculative not in SPECULATIVE_METHODS:
+        raise ValueError(f"{SPECULATIVE} must be one of {', '.join(SPECULATIVE_METHODS)} (got {speculative!r})")
+    if not environ.get(SPECULATIVE_TOKENS, "0").isdigit():
+        raise ValueError(f"{SPECULATIVE_TOKENS} must be a whole number (got {environ[SPECULATIVE_TOKENS]!r})")
+    if speculative == "ngram":
+        options["speculation"] = {"max_draft_tokens": int(environ[SPECULATIVE_TOKENS])} \
+            if environ.get(SPECULATIVE_TOKENS) else {}
     return options
 
 

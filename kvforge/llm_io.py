@@ -99,6 +99,7 @@ INPUTS = {t.name: t for t in (
     _input("beam_width", "INT32", INT32),
     _input("num_return_sequences", "INT32", INT32),
     _input("return_log_probs", "BOOL", BOOL),
+    _input("speculative", "BYTES", STRING),  # "ngram" | "off" (default: the server's --speculative)
     _input("return_num_input_tokens", "BOOL", BOOL),
     _input("return_num_output_tokens", "BOOL", BOOL),
     # the prefix cache: a tenant's salt, and the operator's clear (needs the control key)

@@ -34,6 +34,7 @@ from launcher.tritonserver import CONTROL_KEY_HEADER, READY_TIMEOUT, ServerError
     port_in_use, server_env
 from runtime.disaggregation import THRESHOLD_TOKENS, TRANSPORTS
 from runtime.scheduler import PREFILL_BUDGET, check_prefill_budget
+from runtime.speculation import MAX_DRAFT_TOKENS, Speculation
 
 
 # the query options a KV Redis URL may carry (value sets; empty: any value, e.g. a CA file's path)
@@ -89,6 +90,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         f"(default {THRESHOLD_TOKENS})")
     parser.add_argument("--pd-transport", choices=TRANSPORTS, default=None,
                         help="shm: /dev/shm on this host (default); redis: through the Redis KV tier")
+    parser.add_argument("--speculative", choices=env.SPECULATIVE_METHODS, default=None,
+                        help="ngram: requests draft tokens from their own prompt and output and verify them in "
+                        "one step (prompt lookup; the same greedy and seeded text); off (default): only requests "
+                        "asking speculative=ngram do")
+    parser.add_argument("--speculative-tokens", type=int, default=None,
+                        help=f"the most tokens a draft holds (default {MAX_DRAFT_TOKENS}; it adapts to acceptance)")
     parser.add_argument("--prefix-cache", choices=("on", "off"), default="on",
                         help="reuse the KV of repeated prompt prefixes (llm model; default: on)")
     parser.add_argument("--kv-host-bytes", type=int, default=None,
@@ -170,6 +177,13 @@ def check_config(args: argparse.Namespace) -> None:
             check_prefill_budget(args.prefill_budget)
         except ValueError as e:
             raise ConfigError(f"--prefill-budget: {e}") from None
+    if args.speculative_tokens is not None:
+        if args.speculative != "ngram":
+            raise ConfigError("--speculative-tokens sizes the drafts of --speculative ngram: add it")
+        try:
+            Speculation(max_draft_tokens=args.speculative_tokens).check()
+        except ValueError as e:
+            raise ConfigError(f"--speculative-tokens: {e}") from None
     if args.drain_seconds < 0:
         raise ConfigError(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
     redis_url = args.kv_redis_url or os.environ.get(env.KV_REDIS_URL)
@@ -209,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
             kv_disk_dir=args.kv_disk_dir, kv_disk_bytes=args.kv_disk_bytes, kv_redis_url=args.kv_redis_url,
             kv_redis_ttl=args.kv_redis_ttl, queue_timeout=args.queue_timeout, request_timeout=args.request_timeout,
             prefill_budget=args.prefill_budget, scheduler=args.scheduler, disaggregate=args.disaggregate,
-            prefill_threads=args.prefill_threads, pd_threshold=args.pd_threshold, pd_transport=args.pd_transport)
+            prefill_threads=args.prefill_threads, pd_threshold=args.pd_threshold, pd_transport=args.pd_transport,
+            speculative=args.speculative, speculative_tokens=args.speculative_tokens)
         if args.disaggregate:  # on 2 cores, 1 + 1: the workers take turns on no core
             cores = os.cpu_count() or 2
             prefill = args.prefill_threads or max(1, cores // 2)

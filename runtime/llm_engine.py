@@ -30,10 +30,11 @@ from runtime.kv.tiers.disk import DiskTier
 from runtime.kv.tiers.lower import LowerTiers
 from runtime.kv.tiers.redis import RedisTier
 from runtime.runners import open_runner
-from runtime.runners.base import Batch, last_positions
+from runtime.runners.base import Batch
 from runtime.sampling import SamplingParams
 from runtime.scheduler import PREFILL_BUDGET, SOLO_PREFILL_TOKENS, Scheduler
 from runtime.sequence import RequestOutput, Sequence
+from runtime.speculation import Speculation
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 __all__ = ["LLMEngine", "RequestOutput", "SamplingParams"]
@@ -55,7 +56,7 @@ class LLMEngine:
                  threads: int | None = None, prefix_cache: bool = True, kv_host_bytes: int | None = None,
                  kv_disk_dir: Path | str | None = None, kv_disk_bytes: int = DEFAULT_KV_DISK_BYTES,
                  kv_redis_url: str | None = None, kv_redis_ttl: int | None = None, admission: str = "optimistic",
-                 disaggregation: Disaggregation | dict | None = None):
+                 disaggregation: Disaggregation | dict | None = None, speculation: Speculation | dict | None = None):
         """prefix_cache: reuse the KV of repeated prompt prefixes from a host RAM pool of
         kv_host_bytes (default: a quarter of RAM, at most 8 GiB), and below it from files in
         kv_disk_dir (at most kv_disk_bytes) and from the Redis at kv_redis_url (keys expire after
@@ -67,7 +68,9 @@ class LLMEngine:
         every step runs every decoding row; runtime/scheduler.py has the measured trade-off);
         stall_free=False alternates prompt-chunk steps with decode steps.
         disaggregation: long uncached prompts are prefilled by a prefill worker process and handed
-        over as a prefix hit (runtime/disaggregation.py); needs the prefix cache."""
+        over as a prefix hit (runtime/disaggregation.py); needs the prefix cache.
+        speculation: requests draft tokens from their own context and verify them in one step
+        (runtime/speculation.py); None: only requests asking speculative="ngram" do."""
         if admission not in ("optimistic", "reserve"):
             raise ValueError(f"admission must be 'optimistic' or 'reserve', got {admission!r}")
         engine_dir = Path(engine_dir)
@@ -105,8 +108,11 @@ class LLMEngine:
             self.tiers = LowerTiers(codec, tiers, wake=self._wake)
         self.kv = KVManager(self.runner, self.limits.slots, self.limits.kv_cache_bytes, pool, namespace, self.tiers,
                             optimistic=admission == "optimistic")
+        if isinstance(speculation, dict):  # the fields, as kvforge.env.engine_options reads them
+            speculation = Speculation(**speculation)
+        self.speculates_by_default = speculation is not None
         self.scheduler = Scheduler(self.kv, manifest.max_seq_len, self.limits.max_waiting, prefill_budget,
-                                   solo_prefill_tokens, stall_free)
+                                   solo_prefill_tokens, stall_free, speculation or Speculation())
         self._ids = itertools.count(1)
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="kvforge-engine", daemon=True)
@@ -145,6 +151,8 @@ class LLMEngine:
                        IncrementalDetokenizer(self.tokenizer, ids),
                        frozenset(end_ids) | frozenset(params.stop_token_ids),
                        cache_salt=cache_salt or None)
+        seq.speculates = params.speculative == "ngram" or (params.speculative is None and self.speculates_by_default)
+        seq.draft_limit = self.scheduler.speculation.max_draft_tokens
         if queue_timeout is not None:
             seq.queue_deadline = seq.arrived + queue_timeout
         if timeout is not None:
@@ -300,7 +308,7 @@ class LLMEngine:
     def _step(self, batch: Batch) -> list[tuple[Sequence, RequestOutput]]:
         """Run one batch: the only work done without the lock (it touches nothing but the runner)."""
         began = time.perf_counter()
-        logits = self.runner.step(batch.input_ids, batch.write_positions, batch.num_new, last_positions(batch.num_new))
+        logits = self.runner.step(batch.input_ids, batch.write_positions, batch.num_new, batch.logit_positions)
         seconds = time.perf_counter() - began
         with self._cond:
             self.scheduler.measured(batch, seconds)

@@ -41,6 +41,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()  # texts the output never contains as tokens (TensorRT-LLM's bad_words)
     bad_word_ids: tuple[tuple[int, ...], ...] = ()  # bad_words tokenized by the engine
     logprobs: bool = False
+    speculative: str | None = None  # "ngram" | "off"; None = the server's default
 
     @property
     def adjusts_logits(self) -> bool:
@@ -79,6 +80,8 @@ class SamplingParams:
                 or not 0 <= self.min_tokens <= self.max_tokens:
             raise RequestError(f"min_tokens must be an integer in 0..max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
         _check_texts(self.bad_words, "bad words", "each bad word")
+        if self.speculative not in (None, "off", "ngram"):
+            raise RequestError(f"speculative must be 'ngram' or 'off', got {quote(self.speculative)}")
 
 
 def _check_texts(texts: tuple[str, ...], plural: str, each: str) -> None:

@@ -30,6 +30,10 @@ a stream's worst gap near 150 ms for ~1.4x the alternate policy's TTFT (which pr
 prompts side by side in 256-token steps and stalls streams ~480 ms per step): the default.
 When no row decodes, prompts go in chunks of `solo_prefill_tokens`: nobody waits on the chunk.
 
+Speculation (runtime/speculation.py): in a step where every row decodes and at most
+`speculation.max_rows` do, a greedy row that speculates feeds its pending token plus tokens
+drafted from its own context; postprocess keeps those the model agrees with (`_verified`).
+
 Alternate (`stall_free=False`; with prefill_budget=256, the policy before issue 20): prompt-chunk
 steps take turns with decode steps, mixed only when padding both into one [rows, S] block wasted at most
 MIX_PADDING_TOKENS (the padded graph made a 1-prompt + 8-decode step at S=16 cost 294 ms mixed
@@ -57,6 +61,7 @@ from kvforge.errors import QueueFullError
 from runtime.kv.manager import KVManager
 from runtime.runners.base import Batch
 from runtime.sequence import RequestOutput, Sequence, Status
+from runtime.speculation import Speculation, next_limit, pause_after, propose
 
 MIX_PADDING_TOKENS = 16
 PREFILL_BUDGET = 32
@@ -79,8 +84,10 @@ class Scheduler:
 
     def __init__(self, kv: KVManager, max_seq_len: int, max_waiting: int,
                  prefill_budget: int = PREFILL_BUDGET, solo_prefill_tokens: int = SOLO_PREFILL_TOKENS,
-                 stall_free: bool = True):
+                 stall_free: bool = True, speculation: Speculation = Speculation()):
         check_prefill_budget(prefill_budget)
+        speculation.check()
+        self.speculation = speculation
         self.max_seq_len = max_seq_len
         self.kv = kv
         self.max_waiting = max_waiting
@@ -95,7 +102,8 @@ class Scheduler:
         self.counters = dict(steps=0, prefill_steps=0, decode_steps=0, mixed_steps=0, max_rows=0,
                              multi_row_steps=0, prompt_tokens=0, generated_tokens=0, finished=0,
                              cancelled=0, expired=0, prefix_waits=0, tier_loads_expired=0, preempted_swap=0,
-                             preempted_recompute=0, row_steps=0)
+                             preempted_recompute=0, row_steps=0, spec_verify_rows=0, spec_draft_tokens=0,
+                             spec_accepted_tokens=0)
         self.prefill_tokens_per_second: float | None = None  # measured, for the load-or-recompute choice
 
     def check_room(self, elsewhere: int = 0) -> None:
@@ -226,6 +234,8 @@ class Scheduler:
         decoding = 1 in pending
         budget = self.prefill_budget if decoding else self.solo_prefill_tokens
         room = self.kv.step_room(self.running)
+        if max(pending) == 1 and (drafted := self._speculative_batch(room)) is not None:
+            return drafted
         if not self.stall_free:
             return self._alternating_batch(pending, budget, room)
         num_new, left = [], budget
@@ -237,6 +247,21 @@ class Scheduler:
         kind = "decode" if width == 1 else "mixed" if decoding else "prefill"
         self.kv.fit_capacity(max(s.num_cached for s in self.running) + width, len(self.running))
         return Batch.of(kind, self.running, width, num_new)
+
+    def _speculative_batch(self, room: int) -> Batch | None:
+        """A decode step in which the rows that speculate feed drafted tokens after their own
+        (None: no row drafted any). Drafts stay within the buffers' capacity, the request's
+        max_tokens and a few decoding rows."""
+        if len(self.running) > self.speculation.max_rows:
+            return None
+        room = min(room, self.kv.runner.capacity - max(s.num_cached for s in self.running))
+        drafts = [propose(s.tokens, min(s.draft_limit, s.max_tokens_total - len(s.tokens) - 1, room - 1),
+                          self.speculation.max_ngram) if s.speculates and s.num_output >= s.draft_resumes else []
+                  for s in self.running]
+        if not any(drafts):
+            return None
+        num_new = [1 + len(d) for d in drafts]
+        return Batch.of("decode", self.running, max(num_new), num_new, drafts)
 
     def _alternating_batch(self, pending: list[int], budget: int, room: int) -> Batch:
         """The policy before stall-free steps: a prompt chunk and the decode rows take turns,
@@ -275,6 +300,9 @@ class Scheduler:
         self._count_step(batch)
         outputs = []
         for b, seq in enumerate(self.running[:rows]):
+            if batch.drafts[b]:
+                outputs.append((seq, self._verified(seq, b, batch, logits[b])))
+                continue
             seq.num_cached += int(batch.num_new[b])
             self.kv.store(seq, b)
             if seq.num_cached <= seq.num_prompt:
@@ -286,6 +314,22 @@ class Scheduler:
             outputs.append((seq, seq.append(*seq.choose(logits[b, 0]))))
         self._drop_finished()
         return outputs
+
+    def _verified(self, seq: Sequence, row: int, batch: Batch, logits: np.ndarray) -> RequestOutput:
+        """The tokens a drafting row keeps (every drafted token before the first the model
+        disagrees with, plus the model's own next one); only those are cached and stored."""
+        proposed = int(batch.drafts[row])
+        out, accepted = seq.verify(logits, batch.input_ids[row, 1:1 + proposed].tolist())
+        self.kv.store(seq, row)
+        seq.draft_limit = next_limit(seq.draft_limit, proposed, accepted, self.speculation.max_draft_tokens)
+        seq.draft_misses = 0 if accepted else seq.draft_misses + 1
+        seq.draft_resumes = seq.num_output + pause_after(seq.draft_misses)
+        c = self.counters
+        c["spec_verify_rows"] += 1
+        c["spec_draft_tokens"] += proposed
+        c["spec_accepted_tokens"] += accepted
+        c["generated_tokens"] += accepted + 1
+        return out
 
     def fail_running(self, message: str) -> list[tuple[Sequence, RequestOutput]]:
         """End every running sequence with an error (the step itself failed)."""

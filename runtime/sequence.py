@@ -70,6 +70,10 @@ class Sequence:
     handoff_seconds: float | None = None  # prefilled by the prefill worker: how long its hand-off took to write
     queue_deadline: float | None = None  # perf_counter time by which it must have a slot
     deadline: float | None = None  # perf_counter time by which it must have finished
+    speculates: bool = False  # decoding steps may verify drafted tokens (runtime/speculation.py)
+    draft_limit: int = 0  # how many tokens its next draft may hold
+    draft_misses: int = 0  # its drafts in a row that failed outright
+    draft_resumes: int = 0  # the output length from which it drafts again
 
     def __post_init__(self):
         self.tokens = list(self.prompt_ids)
@@ -129,6 +133,24 @@ class Sequence:
             return self.finish("length")
         ready = len(self.text) - stop_hold_back(self.text, self.params.stop)
         return self._output(max(ready, self.sent_chars))
+
+    def verify(self, logits: np.ndarray, draft: list[int]) -> tuple[RequestOutput, int]:
+        """After a step that fed the pending token and then `draft`: the request's own choices
+        from logits [1 + len(draft), vocab] while they equal the draft (each such draft is now
+        cached: its K/V came from the same token), then the first that differs or follows them all.
+        Each choice sees the context and draws from the request's generator exactly as decoding
+        one token per step would, so greedy and seeded outputs do not change. Returns one output
+        for them and how many drafts held."""
+        self.num_cached += 1
+        out, accepted = None, 0
+        for i, row in enumerate(logits[:len(draft) + 1]):
+            step = self.append(*self.choose(row))
+            out = step if out is None else out.merge(step)
+            if self.finished or i == len(draft) or self.tokens[-1] != draft[i]:
+                break
+            self.num_cached += 1
+            accepted += 1
+        return out, accepted
 
     def finish(self, reason: str, error: str | None = None, flush: bool = True) -> RequestOutput:
         if flush:  # text cut at a stop string ends there; otherwise held-back bytes go out now

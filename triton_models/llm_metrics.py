@@ -40,6 +40,12 @@ METRICS = [
     ("cancel_poll_seconds", "kvforge_cancel_poll_seconds_total",
      "CPU seconds the sender spent asking whether clients went away (the cost of cancellation)", "COUNTER"),
     # prefill/decode disaggregation (runtime/disaggregation.py); all 0 when serving aggregated
+    ("spec_verify_rows", "kvforge_spec_verify_rows_total", "Rows of decode steps that verified drafted tokens",
+     "COUNTER"),
+    ("spec_draft_tokens", "kvforge_spec_draft_tokens_total", "Tokens drafted by prompt lookup and verified",
+     "COUNTER"),
+    ("spec_accepted_tokens", "kvforge_spec_accepted_tokens_total", "Drafted tokens the model agreed with",
+     "COUNTER"),
     ("pd_remote_prefills", "kvforge_pd_remote_prefills_total", "Prompts sent to the prefill worker", "COUNTER"),
     ("pd_local_prefills", "kvforge_pd_local_prefills_total",
      "Prompts the decode engine prefilled itself while disaggregated (short, cached, worker busy or failed)",

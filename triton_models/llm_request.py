@@ -60,7 +60,8 @@ def parse(request, engine):
         presence_penalty=one_value(request, "presence_penalty", 0.0, float),
         frequency_penalty=one_value(request, "frequency_penalty", 0.0, float),
         min_tokens=either(request, ("min_tokens", "min_length"), int) or 0,
-        logprobs=one_value(request, "return_log_probs", False, bool))
+        logprobs=one_value(request, "return_log_probs", False, bool),
+        speculative=one_value(request, "speculative", None, utf8("speculative")))
     prompt, prompt_text = prompt_of(request, engine.tokenizer)
     echo = prompt_text if not one_value(request, "exclude_input_in_output", True, bool) else ""
     return prompt, params, one_value(request, "stream", False, bool), echo

@@ -29,18 +29,31 @@ class Batch:
     input_ids: np.ndarray  # [rows, S], right-padded with 0
     write_positions: np.ndarray  # [rows]
     num_new: np.ndarray  # [rows]
+    drafts: np.ndarray  # [rows]: of its num_new, the drafted tokens a row verifies (runtime/speculation.py)
 
     @classmethod
-    def of(cls, kind: str, seqs, width: int, num_new=None) -> "Batch":
+    def of(cls, kind: str, seqs, width: int, num_new=None, drafts=None) -> "Batch":
         """The next num_new[b] (default: up to `width`) pending tokens of each sequence (anything
-        with tokens and num_cached); a row may feed none."""
+        with tokens and num_cached), then its drafted tokens (drafts[b], a list); a row may feed none."""
+        drafts = drafts or [[] for _ in seqs]
         input_ids = np.zeros((len(seqs), width), np.int64)
         if num_new is None:
             num_new = np.minimum([len(s.tokens) - s.num_cached for s in seqs], width)
         num_new = np.asarray(num_new, np.int64)
-        for b, s in enumerate(seqs):
-            input_ids[b, :num_new[b]] = s.tokens[s.num_cached:s.num_cached + num_new[b]]
-        return cls(kind, input_ids, np.array([s.num_cached for s in seqs], np.int64), num_new)
+        for b, (s, draft) in enumerate(zip(seqs, drafts)):
+            own = num_new[b] - len(draft)
+            input_ids[b, :own] = s.tokens[s.num_cached:s.num_cached + own]
+            input_ids[b, own:num_new[b]] = draft
+        return cls(kind, input_ids, np.array([s.num_cached for s in seqs], np.int64), num_new,
+                   np.array([len(d) for d in drafts], np.int64))
+
+    @property
+    def logit_positions(self) -> np.ndarray:
+        """What generation samples from, [rows, 1 + most drafts]: each row's last real position
+        and, before it, one per drafted token (a row with fewer repeats its last position)."""
+        last = np.maximum(self.num_new - 1, 0)[:, None]
+        width = int(self.drafts.max(initial=0)) + 1
+        return np.minimum(last - self.drafts[:, None] + np.arange(width), last)
 
 
 class Runner(ABC):
@@ -68,7 +81,7 @@ class Runner(ABC):
         """Run rows 0..len(input_ids)-1: input_ids [rows, S] (right-padded), write_positions [rows]
         (tokens already cached per row), num_new [rows] (real tokens per row, <= S), logit_positions
         [rows, K] (indices into S whose logits are wanted; None = all S, as scoring needs;
-        generation passes last_positions(num_new)). Returns logits [rows, K, vocab] float32;
+        generation passes Batch.logit_positions). Returns logits [rows, K, vocab] float32;
         row b's cache now holds write_positions[b] + num_new[b]."""
 
     @abstractmethod
@@ -156,8 +169,8 @@ def pack_step(input_ids: np.ndarray, write_positions: np.ndarray, num_new: np.nd
 
 
 def last_positions(num_new: np.ndarray) -> np.ndarray:
-    """The logit_positions generation samples: each row's last real position, [rows, 1] (0 for a
-    row feeding nothing this step, whose logits go unused)."""
+    """Each row's last real position, [rows, 1] (0 for a row feeding nothing this step, whose
+    logits go unused): what a step without drafts samples from."""
     return np.maximum(np.asarray(num_new, np.int64) - 1, 0)[:, None]
 
 
