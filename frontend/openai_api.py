@@ -9,7 +9,8 @@ checkpoint's chat template (frontend/chat_template.py). Request bodies are valid
 the fields below; a field kvforge does not know or cannot honour gets an OpenAI-shaped 400
 naming it (never silently ignored). A client that disconnects cancels its Triton streams.
 Extensions beyond OpenAI's fields, with vLLM's meaning: top_k, min_tokens, repetition_penalty,
-ignore_eos, cache_salt (reaches the prefix cache's salt), and skip_special_tokens /
+ignore_eos, cache_salt (reaches the prefix cache's salt), kvforge's speculative ("ngram" / "off"),
+and skip_special_tokens /
 include_stop_str_in_output at the one value kvforge implements (true / false). An error of the
 llm model gets its kind's status (kvforge/errors.py); a message without a kind's prefix (what
 the model or Triton refuses) is the request's fault: 400.
@@ -91,6 +92,7 @@ class Sampling(Body):
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False  # end tokens do not end the text; stop strings still do
     cache_salt: str | None = None
+    speculative: Literal["ngram", "off"] | None = None  # kvforge's: prompt-lookup speculation (docs/serving.md)
     skip_special_tokens: bool = True  # true only: kvforge's text never holds special tokens
     include_stop_str_in_output: bool = False  # false only: the text ends before the stop string
 
@@ -170,6 +172,7 @@ def llm_inputs(prompt: str | list[int], body: Sampling, max_tokens: int, seed: i
               tensor("temperature", body.temperature), tensor("top_p", body.top_p)]
     optional = [("seed", seed), ("top_k", body.top_k), ("min_tokens", body.min_tokens),
                 ("repetition_penalty", body.repetition_penalty), ("cache_salt", body.cache_salt),
+                ("speculative", body.speculative),
                 ("presence_penalty", body.presence_penalty or None),
                 ("frequency_penalty", body.frequency_penalty or None),
                 ("stop_words", [body.stop] if isinstance(body.stop, str) else (body.stop or None)),

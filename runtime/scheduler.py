@@ -252,7 +252,7 @@ class Scheduler:
         """A decode step in which the rows that speculate feed drafted tokens after their own
         (None: no row drafted any). Drafts stay within the buffers' capacity, the request's
         max_tokens and a few decoding rows."""
-        if len(self.running) > self.speculation.max_rows:
+        if len(self.running) > self.speculation.max_rows or not any(s.speculates for s in self.running):
             return None
         room = min(room, self.kv.runner.capacity - max(s.num_cached for s in self.running))
         drafts = [propose(s.tokens, min(s.draft_limit, s.max_tokens_total - len(s.tokens) - 1, room - 1),

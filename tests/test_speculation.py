@@ -7,6 +7,7 @@ from __future__ import annotations
 import urllib.request
 
 import numpy as np
+import openai
 import pytest
 
 from kvforge import env
@@ -169,3 +170,9 @@ def test_through_triton_a_request_asks_for_speculation_and_gets_the_same_text(tr
     with pytest.raises(GenerationError, match="speculative must be 'ngram' or 'off'"):
         client.generate(prompt, max_tokens=4, speculative="lookahead")
     assert client.generate(prompt, max_tokens=4).text  # the server kept serving
+    api = openai.OpenAI(base_url=triton.openai_url, api_key="unused", max_retries=0)
+    completion = api.completions.create(model="llm", prompt=prompt, max_tokens=40, temperature=0,
+                                        extra_body={"ignore_eos": True, "speculative": "ngram"})
+    assert completion.choices[0].text == plain.text
+    with pytest.raises(openai.BadRequestError, match="speculative"):
+        api.completions.create(model="llm", prompt=prompt, max_tokens=4, extra_body={"speculative": "eagle"})
