@@ -118,7 +118,7 @@ test: setup
 	$(PY) -m pytest -q
 
 bench: setup
-	$(VENV)/bin/pip install --quiet -e '.[peers,test,bench]'
+	$(VENV)/bin/pip install --quiet -e '.[peers,test,bench,cpu-peers]'
 	$(PY) -m bench $(if $(QUICK),--quick,)
 
 clean:

@@ -54,6 +54,7 @@ class Params:
     ttft_rounds: int = 3
     ttft_new_tokens: int = 32
     prefill_profile_tokens: tuple[int, ...] = (1024, 2048)  # the prefill section's profiled prompts
+    roofline_batches: tuple[int, ...] = (1, 2, 4)  # the roofline's decode batches for every weight mode
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -167,6 +168,39 @@ class Artifacts:
         return self._cached(out, {"checkpoint": self.fingerprint(checkpoint),
                                   "onnxruntime-genai": version("onnxruntime-genai")}, make)
 
+    def gguf(self, model: str, outtype: str, llama_cpp_tree: Path) -> Path:
+        """The checkpoint as a GGUF file of `outtype` (f32, q8_0, ...), by llama.cpp's own converter
+        from the tree it was built from (bench.cpu_peers.convert_to_gguf)."""
+        checkpoint = self.checkpoint(model)
+        out = self.root / "gguf" / f"{checkpoint.name}-{outtype}"
+
+        def make():
+            say(f"converting {checkpoint.name} to GGUF {outtype} (llama.cpp's convert_hf_to_gguf.py)")
+            out.mkdir(parents=True, exist_ok=True)
+            run_module("bench.cpu_peers", str(llama_cpp_tree), str(checkpoint), "--outtype", outtype,
+                       "--outfile", str(out / "model.gguf"))
+
+        converter = hashlib.sha256((ROOT / "bench" / "cpu_peers.py").read_bytes()).hexdigest()
+        return self._cached(out, {"checkpoint": self.fingerprint(checkpoint), "llama.cpp": str(llama_cpp_tree),
+                                  "converter": converter}, make) / "model.gguf"
+
+    def ctranslate2(self, model: str) -> Path:
+        """The checkpoint as a CTranslate2 model with float32 weights; the 8-bit variant is
+        quantized from it when loaded (compute_type), as CTranslate2 does."""
+        from importlib.metadata import version
+
+        from ctranslate2.converters import TransformersConverter
+
+        checkpoint = self.checkpoint(model)
+        out = self.root / "ctranslate2" / checkpoint.name
+
+        def make():
+            say(f"converting {checkpoint.name} to CTranslate2 (TransformersConverter, float32 weights)")
+            TransformersConverter(str(checkpoint)).convert(str(out), quantization="float32", force=True)
+
+        return self._cached(out, {"checkpoint": self.fingerprint(checkpoint), "ctranslate2": version("ctranslate2")},
+                            make)
+
 
 def code_digest(*packages: str) -> str:
     """sha256 over the Python sources of the given top-level packages of this checkout."""
@@ -243,6 +277,17 @@ def generate(runner, prompts: np.ndarray, new_tokens: int) -> dict:
         steps.append(time.perf_counter() - began)
         out.append(run.next_tokens)
     return {"tokens": np.stack(out, axis=1), "prefill_s": prefill, "step_s": steps}
+
+
+def random_prompts(vocab: int, rows: int, length: int) -> np.ndarray:
+    """The peers' prompts: the same seeded random token ids for every system."""
+    return np.random.default_rng(0).integers(3, vocab, (rows, length)).astype(np.int64)
+
+
+def kvforge_steps(runner, ids: np.ndarray, new_tokens: int) -> tuple[float, list[float]]:
+    """(prefill s, decode step s) of one greedy generation through the Runner."""
+    result = generate(runner, ids, new_tokens)
+    return result["prefill_s"], result["step_s"]
 
 
 def decode_rate(rows: int, step_seconds: list[float]) -> float:

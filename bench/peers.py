@@ -12,7 +12,9 @@ import time
 
 import numpy as np
 
-from bench.common import Params, decode_rate, describe, fmt, generate, rendered, say, section_ran, skipped, table, target
+from bench import cpu_peers
+from bench.common import (Params, decode_rate, describe, fmt, kvforge_steps, random_prompts, rendered, say, section_ran,
+                          skipped, table, target)
 
 # Why Optimum is absent when it is (checked with `pip install --dry-run` beside the pins).
 OPTIMUM_NOTE = ("optimum 2.x + optimum-onnx need transformers<5 (pip would downgrade transformers to 4.57); "
@@ -21,16 +23,6 @@ OPTIMUM_NOTE = ("optimum 2.x + optimum-onnx need transformers<5 (pip would downg
 
 
 MEDIAN_RANGE = ("median", "min", "max")
-
-
-def prompts(vocab: int, rows: int, length: int) -> np.ndarray:
-    return np.random.default_rng(0).integers(3, vocab, (rows, length)).astype(np.int64)
-
-
-def kvforge_steps(runner, ids: np.ndarray, new_tokens: int) -> tuple[float, list[float]]:
-    """(prefill s, decode step s) of one greedy generation through the Runner."""
-    result = generate(runner, ids, new_tokens)
-    return result["prefill_s"], result["step_s"]
 
 
 def genai_steps(model, ids: np.ndarray, new_tokens: int) -> tuple[float, list[float]]:
@@ -199,7 +191,7 @@ def ttft_rounds(systems: dict, vocab: int, lengths: tuple[int, ...], new_tokens:
     """TTFT and batch-1 decode tokens/s at each prompt length: a fresh random prompt every round
     (nothing can be reused), the systems taking turns inside each round."""
     for fn in systems.values():
-        fn(prompts(vocab, 1, max(lengths)), 2)  # warm-up at the longest shape: arenas and kernels
+        fn(random_prompts(vocab, 1, max(lengths)), 2)  # warm-up at the longest shape: arenas and kernels
     out = []
     for length in lengths:
         ttft: dict[str, list[float]] = {name: [] for name in systems}
@@ -303,7 +295,7 @@ def run(params: Params, artifacts) -> dict:
             "genai_graph_in_kvforge_session": genai_graph.steps}
     rows_out = []
     for rows in params.batches:
-        ids = prompts(vocab, rows, params.prompt_tokens)
+        ids = random_prompts(vocab, rows, params.prompt_tokens)
         say(f"peers: kvforge (in-place, concat), onnxruntime-genai and its graph in our session taking turns, "
             f"batch {rows}, {params.peer_rounds} rounds")
         systems = interleaved(fast, ids, params.new_tokens, params.peer_rounds)
@@ -328,8 +320,10 @@ def run(params: Params, artifacts) -> dict:
         "units": {"decode_tokens_per_s": "tokens/s (all rows)", "decode_tokens_per_s_mean": "tokens/s (all rows)",
                   "median_step_ms": "ms", "fastest_step_ms": "ms", "prefill_s": "s",
                   "torch_linear_ms_by_rows": "ms per hidden x intermediate Linear, by input rows",
-                  "ttft_s": "s", "ttft decode_tokens_per_s": "tokens/s (batch 1)"},
+                  "ttft_s": "s", "ttft decode_tokens_per_s": "tokens/s (batch 1)",
+                  "generation_tokens_per_s": "tokens/s (batch 1)", "prompt_tokens_per_s": "tokens/s (batch 1)"},
         "results": rows_out,
+        "cpu_peers": cpu_peers.run(params, artifacts, vocab),
         "ttft": ttft_section(params, artifacts),
         "ttft_method": "batch 1, fp32, greedy, prefix caching off (a fresh random prompt every round), "
                        f"{params.threads} threads for every system, systems taking turns in each of ttft_rounds "
@@ -372,6 +366,35 @@ def peer_targets(peers: dict, roofline: dict | None) -> list[dict]:
     ]
 
 
+CPU_PEER_MARGIN = 1.1  # issue 23: kvforge decodes >= 1.1x the CPU engines users pick
+CPU_PEER_WEIGHTS = {"fp32": "fp32", "int8": "8-bit"}
+
+
+def cpu_peer_targets(peers: dict | None) -> list[dict]:
+    rows = []
+    for weights, label in CPU_PEER_WEIGHTS.items():
+        name = f"Decode tokens/s >= {CPU_PEER_MARGIN}x the CPU peers' generation tokens/s ({label} weights, batch 1)"
+        required = f">= {CPU_PEER_MARGIN:.2f}x each"
+        if not section_ran(peers):
+            rows.append(skipped(name, required, "peers section did not run"))
+            continue
+        section = peers["cpu_peers"]
+        rates = {s["engine"]: s["generation_tokens_per_s"]["median"] for s in section["systems"]
+                 if s["weights"] == weights}
+        ours = rates.pop("kvforge")
+        if not rates:
+            rows.append(skipped(name, required, "no CPU peer ran: " + "; ".join(
+                f"{engine}: {why.splitlines()[0]}" for engine, why in section["skipped"].items())))
+            continue
+        worst = min(ours / rate for rate in rates.values())
+        detail = f"{worst / CPU_PEER_MARGIN:.2f}x the target against the fastest peer" + "".join(
+            f"; {engine} skipped ({why.splitlines()[0]})" for engine, why in section["skipped"].items())
+        rows.append(target(name, required, f"kvforge {ours:.1f} tokens/s vs " + ", ".join(
+            f"{engine} {rate:.1f} ({ours / rate:.2f}x)" for engine, rate in rates.items()),
+            worst >= CPU_PEER_MARGIN, detail))
+    return rows
+
+
 def bound_note(systems: dict, roofline: dict | None) -> str:
     """How far any batch-1 decode could outrun transformers: at best it reads the weights at the
     machine's bandwidth."""
@@ -388,11 +411,29 @@ def section_markdown(peers: dict) -> list[str]:
     rows = [[r["batch"], *(fmt(r["systems"][n]["decode_tokens_per_s"], 1) for n in names)] for r in peers["results"]]
     o = peers["optimum_ort_model_for_causal_lm"]
     return [f"## 4. Peers (decode tokens/s, same checkpoint, prompt {peers['prompt_tokens']} tokens)", "",
-            *table(["batch", *names], rows), "", f"Optimum ORTModelForCausalLM: {o['status']} ({o['why']})."]
+            *table(["batch", *names], rows), "", f"Optimum ORTModelForCausalLM: {o['status']} ({o['why']}).", "",
+            *cpu_peers_markdown(peers["cpu_peers"])]
+
+
+def cpu_peers_markdown(section: dict) -> list[str]:
+    """kvforge beside the CPU engines, one row per engine and weights, and how each was built."""
+    def rate(s: dict, key: str) -> str:
+        r = s[key]
+        return f"{r['median']:.1f} ({r['min']:.1f}-{r['max']:.1f})"
+
+    rows = [[s["engine"], s["weights"], rate(s, "generation_tokens_per_s"), rate(s, "prompt_tokens_per_s")]
+            for s in section["systems"]]
+    how = [f"- {s['engine']} {s['weights']}: " + "; ".join(
+        f"{k} {' '.join(v) if isinstance(v, list) else v}" for k, v in s["how"].items()) for s in section["systems"]]
+    return [f"### CPU engines, batch 1 (prompt {section['prompt_tokens']} tokens, {section['new_tokens']} new, "
+            f"{section['threads']} threads, {section['rounds']} rounds taking turns)", "",
+            *table(["engine", "weights", "generation tokens/s: median (min-max)", "prompt tokens/s"], rows), "",
+            "How each ran:", "", *how,
+            *(f"- {engine}: skipped: {why.splitlines()[0]}" for engine, why in section["skipped"].items())]
 
 
 def targets(results: dict) -> list[dict]:
-    return peer_targets(results.get("peers"), results.get("roofline"))
+    return peer_targets(results.get("peers"), results.get("roofline")) + cpu_peer_targets(results.get("peers"))
 
 
 def markdown(results: dict) -> list[str]:

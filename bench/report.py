@@ -18,7 +18,7 @@ REPORTED = ("cache", "layouts", "kv_dtypes", "peers", "serving", "roofline", "we
             "prefill", "fleet", "mixed_load", "mla", "speculative")
 RESULT_KEYS = {"cache": "cache_speedup"}  # the issue's name for the section's top-level key
 PLOTS = ("cache.png", "layouts.png", "serving.png", "prefix_cache.png", "kv_tiers.png", "fleet.png",
-         "mixed_load.png", "mla.png", "speculative.png")
+         "mixed_load.png", "mla.png", "speculative.png", "roofline.png")
 
 
 def sections():

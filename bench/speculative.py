@@ -161,6 +161,9 @@ def run(params: Params, artifacts) -> dict:
     hf = transformers_prompt_lookup(checkpoint, tokenizer, loads["code continuation"], s)
     return {"model": str(TRAINED_MODEL.name), "shape": s, "batch_1": results, "concurrent": streams,
             "transformers": hf, "draft": {"max_draft_tokens": MAX_DRAFT_TOKENS, "max_rows": MAX_ROWS},
+            "units": {"decode_tokens_per_s": "tokens/s after the first token (batch 1)", "acceptance": "accepted / drafted",
+                      "tokens_per_step": "generated tokens per engine step", "tokens_per_s": "tokens/s (all streams)",
+                      "tokens_per_s_with_prefill": "generated tokens / generate() seconds"},
             "method": "in-process LLMEngine (fp32, no prefix cache), greedy, ignore_eos; off and ngram take turns per "
                       "prompt; decode tokens/s from per-output timestamps after the first token; transformers' rate "
                       "includes its prefill (its generate() has no streaming timestamps)"}

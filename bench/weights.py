@@ -3,9 +3,9 @@
 taking turns) and quality (perplexity, greedy agreement with the fp32 engine) on the trained model."""
 from __future__ import annotations
 
-from bench.common import Params, SectionError, quality_cells, rendered, say, table
+from bench.common import Params, SectionError, kvforge_steps, quality_cells, random_prompts, rendered, say, table
 from bench.kv_dtypes import quality, quality_setup
-from bench.peers import interleaved, kvforge_steps, prompts
+from bench.peers import interleaved
 from kvforge.manifest import Manifest
 
 WEIGHT_MODES = ("fp32", "int8", "int4")
@@ -31,7 +31,7 @@ def run(params: Params, artifacts) -> dict:
     for rows in params.batches:
         say(f"weights: {', '.join(engines)} engines taking turns, batch {rows}")
         rates = interleaved({w: (lambda ids, n, r=r: kvforge_steps(r, ids, n)) for w, r in runners.items()},
-                            prompts(vocab, rows, params.prompt_tokens), params.new_tokens, params.peer_rounds)
+                            random_prompts(vocab, rows, params.prompt_tokens), params.new_tokens, params.peer_rounds)
         for w, rate in rates.items():
             speed[w].append({"batch": rows, **rate})
 

@@ -17,9 +17,9 @@ from tests.conftest import run_cli
 pytestmark = pytest.mark.timeout(1800)
 
 SECTIONS = ("cache_speedup", "layouts", "kv_dtypes", "peers", "serving", "roofline", "weights", "prefix_cache",
-            "kv_tiers", "fleet", "mixed_load", "mla")
+            "kv_tiers", "fleet", "mixed_load", "mla", "speculative")
 PLOTS = ("cache.png", "layouts.png", "serving.png", "prefix_cache.png", "kv_tiers.png", "fleet.png", "mixed_load.png",
-         "mla.png")
+         "mla.png", "roofline.png", "speculative.png")
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,31 @@ def test_kv_dtypes_peers_roofline_weights_serving_structure(quick_run):
     assert {"kvforge_inplace", "kvforge_concat", "onnxruntime_genai", "genai_graph_in_kvforge_session",
             "hf_generate_cache", "hf_generate_no_cache"} <= systems.keys()
     assert "status" in results["peers"]["optimum_ort_model_for_causal_lm"]
-    assert results["roofline"]["bandwidth_bytes_per_s"] and "percent_of_roofline" in results["roofline"]["headline"]
+    cpu = results["peers"]["cpu_peers"]  # kvforge beside the CPU engines; a peer that cannot run says why
+    ran = {(s["engine"], s["weights"]) for s in cpu["systems"]}
+    assert {("kvforge", "fp32"), ("kvforge", "int8")} <= ran
+    for engine in ("llama.cpp", "ctranslate2"):
+        assert ({(engine, "fp32"), (engine, "int8")} <= ran) != (engine in cpu["skipped"]), (engine, cpu["skipped"])
+    assert all(why.strip() for why in cpu["skipped"].values())
+    if importlib.util.find_spec("ctranslate2") is None:
+        assert "not installed" in cpu["skipped"]["ctranslate2"]
+    for s in cpu["systems"]:
+        assert s["how"] and all(s[rate]["median"] > 0 for rate in ("generation_tokens_per_s", "prompt_tokens_per_s"))
+    roofline = results["roofline"]
+    assert roofline["bandwidth_bytes_per_s"] and roofline["read_bandwidth_bytes_per_s"] > 0
+    params = results["meta"]["params"]
+    grid = {(p["weights"], p["batch"]) for p in roofline["points"] if p["context"] == roofline["head_context"]}
+    assert grid == {(w, b) for w in ("fp32", "int8", "int4") for b in params["roofline_batches"]}
+    for w, engine in roofline["engines"].items():  # from the engines' own initializers: quantized ones are smaller
+        assert 0 < engine["weight_bytes_per_step"] <= engine["read_whole_bytes"] + engine["gathered_rows_bytes"]
+        assert w == "fp32" or engine["weight_bytes_per_step"] < roofline["engines"]["fp32"]["weight_bytes_per_step"]
+    for p in roofline["points"]:
+        assert p["bytes_per_step"] > p["weight_bytes_per_step"] > 0 and p["median_ms"] >= p["fastest_ms"] > 0
+        assert p["gb_per_s"] > 0 and p["percent_of_roofline"] > 0
+    assert roofline["headline"].keys() == {"fp32", "int8", "int4"}
+    names = [t["target"] for t in results["targets"]]
+    assert sum("of the measured read bandwidth" in n for n in names) == 2
+    assert sum("the CPU peers' generation tokens/s" in n for n in names) == 2
     weights = results["weights"]["results"]
     assert [r["weights"] for r in weights] == ["fp32", "int8", "int4"]
     # a refused build fails the section, which test_every_section_ran refuses: every mode was measured
@@ -249,6 +273,22 @@ def test_mla_structure(quick_run):
     md = (out / "bench.md").read_text()
     assert "## MLA" in md and "decompressed speedup" in md
     assert png_ok((out / "mla.png").read_bytes())
+
+
+def test_speculative_structure(quick_run):
+    """Issue 23: prompt lookup against off on both workloads (identical text), 2..N streams, and
+    transformers' own prompt lookup, with its two targets."""
+    out, results, _ = quick_run
+    section = results["speculative"]
+    assert set(section["batch_1"]) == {"code continuation", "summarise a document"}
+    for r in section["batch_1"].values():
+        assert r["identical_greedy_text"] is True and 0 <= r["acceptance"] <= 1
+        assert all(r["decode_tokens_per_s"][m] > 0 and r["tokens_per_step"][m] >= 1 for m in ("off", "ngram"))
+    assert [p["streams"] for p in section["concurrent"]] == list(section["shape"]["streams"])
+    assert all(p["tokens_per_s"][m] > 0 for p in section["concurrent"] for m in ("off", "default", "always"))
+    assert section["transformers"]["identical_greedy_text"] is True
+    assert sum(t["target"].startswith("Speculation") and isinstance(t["met"], bool) for t in results["targets"]) == 2
+    assert "## Prompt-lookup speculation" in (out / "bench.md").read_text()
 
 
 def test_plots_and_targets_table(quick_run):
