@@ -92,19 +92,23 @@ def batch_one(engine, prompts: list[str], s: dict) -> dict:
 
 
 def concurrent(engine, always, prompts: list[str], s: dict) -> list[dict]:
-    """n different prompts at once: generated tokens/s over the wall time, speculation off, with
-    the default max_rows, and on at any batch (`always`: what max_rows is chosen from)."""
+    """n different prompts at once: generated tokens/s over the wall time (median of `rounds`),
+    speculation off, with the default max_rows, and on at any batch (`always`: what max_rows is
+    chosen from)."""
     from runtime.llm_engine import SamplingParams
 
+    configurations = (("off", engine, "off"), ("default", engine, "ngram"), ("always", always, "ngram"))
     points = []
     for n in s["streams"]:
         batch = [prompts[i % len(prompts)] + f"\n# stream {i}\n" for i in range(n)]
-        rates = {}
-        for name, runner, mode in (("off", engine, "off"), ("default", engine, "ngram"), ("always", always, "ngram")):
-            params = SamplingParams(max_tokens=s["new_tokens"], ignore_eos=True, speculative=mode)
-            began = time.perf_counter()
-            outputs = runner.generate(batch, params)
-            rates[name] = sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - began)
+        samples = {name: [] for name, _, _ in configurations}
+        for r in range(s["rounds"]):  # taking turns, each round in another order
+            for name, runner, mode in configurations[r % 3:] + configurations[:r % 3]:
+                params = SamplingParams(max_tokens=s["new_tokens"], ignore_eos=True, speculative=mode)
+                began = time.perf_counter()
+                outputs = runner.generate(batch, params)
+                samples[name].append(sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - began))
+        rates = {name: statistics.median(v) for name, v in samples.items()}
         points.append({"streams": n, "tokens_per_s": rates, "default_vs_off": rates["default"] / rates["off"],
                        "always_vs_off": rates["always"] / rates["off"]})
     return points

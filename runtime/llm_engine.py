@@ -34,7 +34,7 @@ from runtime.runners.base import Batch
 from runtime.sampling import SamplingParams
 from runtime.scheduler import PREFILL_BUDGET, SOLO_PREFILL_TOKENS, Scheduler
 from runtime.sequence import RequestOutput, Sequence
-from runtime.speculation import Speculation
+from runtime.speculation import NgramIndex, Speculation
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 __all__ = ["LLMEngine", "RequestOutput", "SamplingParams"]
@@ -151,8 +151,9 @@ class LLMEngine:
                        IncrementalDetokenizer(self.tokenizer, ids),
                        frozenset(end_ids) | frozenset(params.stop_token_ids),
                        cache_salt=cache_salt or None)
-        seq.speculates = params.speculative == "ngram" or (params.speculative is None and self.speculates_by_default)
-        seq.draft_limit = self.scheduler.speculation.max_draft_tokens
+        if params.speculative == "ngram" or (params.speculative is None and self.speculates_by_default):
+            seq.ngrams = NgramIndex(self.scheduler.speculation.max_ngram)
+            seq.draft_limit = self.scheduler.speculation.max_draft_tokens
         if queue_timeout is not None:
             seq.queue_deadline = seq.arrived + queue_timeout
         if timeout is not None:

@@ -31,7 +31,7 @@ prompts side by side in 256-token steps and stalls streams ~480 ms per step): th
 When no row decodes, prompts go in chunks of `solo_prefill_tokens`: nobody waits on the chunk.
 
 Speculation (runtime/speculation.py): in a step where every row decodes and at most
-`speculation.max_rows` do, a greedy row that speculates feeds its pending token plus tokens
+`speculation.max_rows` do, a row that speculates feeds its pending token plus tokens
 drafted from its own context; postprocess keeps those the model agrees with (`_verified`).
 
 Alternate (`stall_free=False`; with prefill_budget=256, the policy before issue 20): prompt-chunk
@@ -61,7 +61,7 @@ from kvforge.errors import QueueFullError
 from runtime.kv.manager import KVManager
 from runtime.runners.base import Batch
 from runtime.sequence import RequestOutput, Sequence, Status
-from runtime.speculation import Speculation, next_limit, pause_after, propose
+from runtime.speculation import Speculation, next_limit, pause_after
 
 MIX_PADDING_TOKENS = 16
 PREFILL_BUDGET = 32
@@ -252,12 +252,11 @@ class Scheduler:
         """A decode step in which the rows that speculate feed drafted tokens after their own
         (None: no row drafted any). Drafts stay within the buffers' capacity, the request's
         max_tokens and a few decoding rows."""
-        if len(self.running) > self.speculation.max_rows or not any(s.speculates for s in self.running):
+        if len(self.running) > self.speculation.max_rows or not any(s.ngrams for s in self.running):
             return None
         room = min(room, self.kv.runner.capacity - max(s.num_cached for s in self.running))
-        drafts = [propose(s.tokens, min(s.draft_limit, s.max_tokens_total - len(s.tokens) - 1, room - 1),
-                          self.speculation.max_ngram) if s.speculates and s.num_output >= s.draft_resumes else []
-                  for s in self.running]
+        drafts = [s.ngrams.propose(s.tokens, min(s.draft_limit, s.max_tokens_total - len(s.tokens) - 1, room - 1))
+                  if s.ngrams and s.num_output >= s.draft_resumes else [] for s in self.running]
         if not any(drafts):
             return None
         num_new = [1 + len(d) for d in drafts]

@@ -9,6 +9,7 @@ from typing import Callable
 import numpy as np
 
 from runtime.sampling import SamplingParams, adjust_logits, find_stop, log_softmax, sample, stop_hold_back
+from runtime.speculation import NgramIndex
 from runtime.tokenizer import IncrementalDetokenizer
 
 
@@ -70,7 +71,7 @@ class Sequence:
     handoff_seconds: float | None = None  # prefilled by the prefill worker: how long its hand-off took to write
     queue_deadline: float | None = None  # perf_counter time by which it must have a slot
     deadline: float | None = None  # perf_counter time by which it must have finished
-    speculates: bool = False  # decoding steps may verify drafted tokens (runtime/speculation.py)
+    ngrams: NgramIndex | None = None  # set when decoding steps may verify drafted tokens (runtime/speculation.py)
     draft_limit: int = 0  # how many tokens its next draft may hold
     draft_misses: int = 0  # its drafts in a row that failed outright
     draft_resumes: int = 0  # the output length from which it drafts again

@@ -22,9 +22,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
-
 METHODS = ("off", "ngram")
 MAX_DRAFT_TOKENS = 4
 MAX_NGRAM = 3
@@ -53,20 +50,29 @@ class Speculation:
                 raise ValueError(f"speculation {name} must be a whole number in 1..{LIMIT}, got {value!r}")
 
 
-def propose(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
-    """Up to k tokens that followed the most recent earlier occurrence of the longest tail n-gram
-    (n = max_ngram .. 1) of `tokens`; [] when no tail occurs earlier."""
-    if k <= 0 or len(tokens) < 2:
+class NgramIndex:
+    """Where each n-gram (n = 1..max_ngram) of a sequence's tokens last ended, kept up to date as
+    tokens are appended, so a draft costs a few dict lookups instead of a scan of the context."""
+
+    def __init__(self, max_ngram: int = MAX_NGRAM):
+        self.max_ngram = max_ngram
+        self.ends: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # n-grams ending before this position are in `ends`
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the most recent earlier occurrence of the longest tail
+        n-gram (n = max_ngram .. 1) of `tokens`; [] when no tail occurs earlier."""
+        for end in range(self.indexed, len(tokens) - 1):  # every n-gram but the tail's
+            for n in range(1, min(self.max_ngram, end + 1) + 1):
+                self.ends[tuple(tokens[end + 1 - n:end + 1])] = end + 1
+        self.indexed = max(self.indexed, len(tokens) - 1)
+        if k <= 0:
+            return []
+        for n in range(min(self.max_ngram, len(tokens) - 1), 0, -1):
+            start = self.ends.get(tuple(tokens[-n:]))
+            if start is not None:
+                return tokens[start:start + k]
         return []
-    ids = np.asarray(tokens, np.int64)
-    for n in range(min(max_ngram, len(ids) - 1), 0, -1):
-        # windows of ids[:-1] start at 0..len-1-n: every occurrence but the tail itself
-        windows = sliding_window_view(ids[:-1], n)
-        hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
-        if len(hits):
-            start = int(hits[-1]) + n
-            return ids[start:start + k].tolist()
-    return []
 
 
 def next_limit(limit: int, proposed: int, accepted: int, max_draft_tokens: int) -> int:

@@ -13,8 +13,8 @@ import pytest
 from kvforge import env
 from kvforge.errors import RequestError
 from runtime.llm_engine import LLMEngine, SamplingParams
-from runtime.speculation import (FIRST_PAUSE_TOKENS, MAX_PAUSE_TOKENS, MISSES_BEFORE_PAUSE, Speculation, next_limit,
-                                 pause_after, propose)
+from runtime.speculation import (FIRST_PAUSE_TOKENS, MAX_PAUSE_TOKENS, MISSES_BEFORE_PAUSE, NgramIndex, Speculation,
+                                 next_limit, pause_after)
 from tests.test_hardening import refusal
 from tests.waiting import wait_for
 from launcher.tritonserver import free_ports
@@ -30,11 +30,24 @@ def prompts(seed: int, lengths) -> list[list[int]]:
 BATCH = prompts(3, (40, 23, 61))
 
 
+def propose(tokens: list[int], k: int) -> list[int]:
+    return NgramIndex().propose(tokens, k)
+
+
 def test_propose_continues_the_most_recent_occurrence_of_the_longest_tail():
     assert propose([5, 6, 7, 8, 1, 5, 6, 9, 2, 5, 6], 3) == [9, 2, 5]  # "5 6" last seen before "9 2"
     assert propose([1, 2, 3, 9, 9, 4, 2, 3], 2) == [9, 9]  # the 2-gram "2 3" wins over the 1-gram "3"
     assert propose([4, 1, 7, 7, 1], 4) == [7, 7, 1]  # a 1-gram; the draft ends where the tokens do
     assert propose([1, 2, 3, 4], 4) == [] and propose([1, 2, 1], 0) == [] and propose([3], 2) == []
+    index, tokens = NgramIndex(), [1, 2, 3, 1, 2]
+    assert index.propose(tokens, 2) == [3, 1]
+    tokens += [3, 7, 1, 2]  # kept up to date as tokens arrive: the latest occurrence wins
+    assert index.propose(tokens, 2) == [3, 7] and index.propose(tokens, 2) == [3, 7]
+    rng = np.random.default_rng(0)  # incremental equals indexing from scratch
+    tokens = rng.integers(0, 6, 40).tolist()
+    grown = NgramIndex()
+    for end in range(2, 41):
+        assert grown.propose(tokens[:end], 3) == NgramIndex().propose(tokens[:end], 3)
     assert next_limit(4, proposed=4, accepted=4, max_draft_tokens=4) == 4
     assert next_limit(2, proposed=2, accepted=2, max_draft_tokens=4) == 3
     assert next_limit(4, proposed=3, accepted=0, max_draft_tokens=4) == 1
