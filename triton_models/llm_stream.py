@@ -174,7 +174,12 @@ class ResponseSender:
                 except queue.Empty:
                     break
             stopping = None in items
-            for stream, out in coalesce(item for item in items if item is not None):
+            batch = list(coalesce(item for item in items if item is not None))
+            # published before a request's last response goes out, so a scrape after it counts it
+            if any(out.finished for _, out in batch) or time.monotonic() >= next_metrics:
+                self.metrics.publish(dict(self.engine.stats(), cancel_poll_seconds=self.poll_seconds))
+                next_metrics = time.monotonic() + METRICS_SECONDS
+            for stream, out in batch:
                 try:
                     self.send(stream, out)
                 except Exception as e:  # one request's failed send must not stop every other stream
@@ -183,9 +188,6 @@ class ResponseSender:
             if now >= next_poll:
                 self.poll_cancelled()
                 next_poll = now + CANCEL_POLL_SECONDS
-            if now >= next_metrics:
-                self.metrics.publish(dict(self.engine.stats(), cancel_poll_seconds=self.poll_seconds))
-                next_metrics = now + METRICS_SECONDS
 
     def check_cancelled(self, stream: ResponseStream) -> None:
         """Once the client went away, the engine ends the request with a "cancelled" output."""
