@@ -161,9 +161,9 @@ def build(export_dir: Path, out_dir: Path, manifest: Manifest, precision: str = 
         shapes = profile_shapes(manifest, max_slots, max_new_tokens)
         for name, (low, opt, high) in shapes.items():
             profile.set_shape(name, low, opt, high)
-        if "chunk_extent" in shapes:  # its values are Slice bounds (chunk rows, key span): a shape input
+        if "attention_extent" in shapes:  # Slice bounds (chunk rows, their key span, decode key span): a shape input
             span = manifest.max_seq_len
-            profile.set_shape_input("chunk_extent", (1, 1), (1, span // 2), (max_slots, span))
+            profile.set_shape_input("attention_extent", (1, 1, 1), (1, span // 2, span // 2), (max_slots, span, span))
         config.add_optimization_profile(profile)
         cached = timing_cache.read_bytes() if timing_cache.is_file() else b""
         config.set_timing_cache(config.create_timing_cache(cached), False)

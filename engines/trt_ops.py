@@ -37,7 +37,7 @@ TYPES = {op: set(types.split()) for op, types in {
     "DequantizeLinear": "INT8 FP8 FP4 INT4", "Div": f"{_F} {_I}", "Einsum": _F, "Equal": f"{_F} {_I}",
     "Erf": _F, "Exp": _F, "Expand": f"{_F} {_I} {_B}", "Flatten": f"{_F} {_I} {_B}", "Floor": _F,
     "Gather": f"{_F} {_I} {_B}", "GatherElements": f"{_F} {_I} {_B}", "GatherND": f"{_F} {_I} {_B}",
-    "Gelu": f"{_F} INT8 {_I}", "Gemm": _F, "Greater": f"{_F} {_I}", "GreaterOrEqual": f"{_F} {_I}",
+    "Gelu": f"{_F} INT8 {_I}", "Gemm": _F, "If": f"{_F} {_I} {_B}", "Greater": f"{_F} {_I}", "GreaterOrEqual": f"{_F} {_I}",
     "Identity": f"{_F} {_I} {_B}", "IsInf": _F, "IsNaN": f"{_F} {_I}", "LayerNormalization": _F,
     "Less": f"{_F} {_I}", "LessOrEqual": f"{_F} {_I}", "Log": _F, "MatMul": _F, "Max": f"{_F} {_I}",
     "Min": f"{_F} {_I}", "Mod": f"{_F} {_I}", "Mul": f"{_F} {_I}", "Neg": f"{_F} {_I}", "Not": _B,
@@ -61,12 +61,22 @@ WHY_TYPE = {"INT8": "a quantized type, reached only through QuantizeLinear/Dequa
             "UINT8": "UINT8 is only supported as network input or output"}
 
 
+def _graphs(graph):
+    """A graph and every subgraph of its nodes (the If branches of the export), depth first."""
+    yield graph
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.HasField("g"):
+                yield from _graphs(attribute.g)
+
+
 def _elem_types(model) -> dict[str, str]:
     import onnx
 
-    graph = model.graph
-    types = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.output, *graph.value_info)}
-    types.update({t.name: t.data_type for t in graph.initializer})
+    types = {}
+    for graph in _graphs(model.graph):
+        types.update({v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.output, *graph.value_info)})
+        types.update({t.name: t.data_type for t in graph.initializer})
     names = {name: onnx.TensorProto.DataType.Name(t) for name, t in types.items() if t}  # 0: not inferred
     return {name: TRT_TYPE.get(n, n) for name, n in names.items()}
 
@@ -105,7 +115,7 @@ def unsupported_ops(onnx_path: Path, target: str = DEFAULT_TARGET) -> list[str]:
     graph_inputs = {v.name for v in model.graph.input}
     graph_outputs = {v.name for v in model.graph.output}
     problems: Counter = Counter()
-    for node in model.graph.node:
+    for node in (node for graph in _graphs(model.graph) for node in graph.node):
         op = node.op_type
         if node.domain not in ("", "ai.onnx"):
             problems[op, f"custom domain {node.domain}: needs a TensorRT plugin"] += 1

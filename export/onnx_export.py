@@ -17,9 +17,10 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torc
 # Sizes of the example inputs; each dim is exported as dynamic, so these only need to differ.
 EXAMPLE_SIZES = {"batch": 2, "seq": 3, "tokens": 6, "kept": 4, "past": 5, "total": 8, "capacity": 16}
 # An in-place step of the example sizes: row 0 a 3-token chunk at 0, row 1 one decode token at 7
-# (tokens 4-5 unused), chunk rows P = 1 over L = 3 positions; token_slots index [3 chunk, 2 decode].
+# (tokens 4-5 unused), chunk rows P = 1 over L = 3 positions, decode queries over D = 8; token_slots
+# index [3 chunk, 2 decode].
 EXAMPLE_STEP = {"positions": [0, 1, 2, 7, 8, 9], "write_positions": [0, 7], "row_tokens": [[0, 1, 2], [3, 0, 0]],
-                "chunk_extent": [1, 3], "token_slots": [0, 1, 2, 4, 4, 4], "logit_index": [2, 3, 0, 1]}
+                "attention_extent": [1, 3, 8], "token_slots": [0, 1, 2, 4, 4, 4], "logit_index": [2, 3, 0, 1]}
 EXTERNAL_DATA_BYTES = 1 << 30  # protobuf cannot hold more than 2 GiB; keep weights beside it well before
 FOLD_LIMIT = 1 << 40  # elements: fold weight-only subgraphs whatever their size
 

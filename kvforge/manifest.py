@@ -15,7 +15,8 @@ from pathlib import Path
 
 # 2: the inplace graph takes logit_positions and returns logits only there (format 1 had every position)
 # 3: the inplace graph takes packed tokens (positions, row_tokens, chunk_extent, token_slots, logit_index)
-FORMAT_VERSION = 3
+# 4: attention_extent (P, L, D) replaces chunk_extent (P, L): decode queries attend over D positions, not the capacity
+FORMAT_VERSION = 4
 MANIFEST_FILE = "manifest.json"
 MODEL_FILE = "model.onnx"
 OPSET = 24  # TensorScatter (the in-place KV write) needs opset 24
@@ -352,9 +353,9 @@ def io_tensors(spec: ModelSpec, layout: str, dtype: str) -> tuple[list[TensorSpe
     inplace: one buffer [batch, kv_heads, capacity, D] per tensor, given as input and returned as
     output so a runtime binds both to the same memory. The step's tokens are packed: input_ids and
     positions [tokens] hold the real new tokens of every row; row_tokens [batch, seq] indexes row
-    b's new tokens in them (they land at write_positions[b] ..); rows 0..P-1 of chunk_extent = (P, L)
-    attend with all their queries over their first L positions, every row's first token also as
-    a decode query over the whole buffer; token_slots [tokens] picks each token's attention output
+    b's new tokens in them (they land at write_positions[b] ..); rows 0..P-1 of attention_extent =
+    (P, L, D) attend with all their queries over their first L positions, every row's first token
+    also as a decode query over the first D (the longest one-token row's positions); token_slots [tokens] picks each token's attention output
     from [P x seq chunk outputs, batch decode outputs]; logits [kept, vocab] only for the tokens in
     logit_index (generation: each sampling row's last token). The runner builds all of it from a
     right-padded batch (runtime/runners/ort.py, pack_step).
@@ -375,7 +376,7 @@ def io_tensors(spec: ModelSpec, layout: str, dtype: str) -> tuple[list[TensorSpe
                   TensorSpec("positions", "int64", ("tokens",)),
                   TensorSpec("write_positions", "int64", ("batch",)),
                   TensorSpec("row_tokens", "int64", ("batch", "seq")),
-                  TensorSpec("chunk_extent", "int64", (2,)),
+                  TensorSpec("attention_extent", "int64", (3,)),
                   TensorSpec("token_slots", "int64", ("tokens",)),
                   TensorSpec("logit_index", "int64", ("kept",))]
         past_len = present_len = "capacity"

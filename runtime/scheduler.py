@@ -23,11 +23,21 @@ medians of 3 rounds per run):
     p99 / p50                     21.5/20.5x     5.7/6.4x       7.3/9.1x      28.2/26.6x
     long prompts' TTFT median, s   5.89/5.96     8.22/8.29      7.07/7.96      5.38/5.75
 
-The floor is the decode step itself: its attention follows the buffer's capacity, which the two
-prompts grow to their 2K-token bucket (one decode row: 31 ms at capacity 2,560, 45 ms at 4,096,
-~22 ms in a small bucket), and every 16 prompt tokens add ~10-20 ms to the step. 32 tokens keep
-a stream's worst gap near 150 ms for ~1.4x the alternate policy's TTFT (which prefills both
-prompts side by side in 256-token steps and stalls streams ~480 ms per step): the default.
+That was export format 3, where a decode row's attention followed the buffer's capacity, which
+the two prompts grow to their 2K-token bucket (one decode row: 31 ms at capacity 2,560, 45 ms at
+4,096, ~22 ms in a small bucket). Format 4 attends over the decode rows' own span; the same
+rounds (Poisson load skipped), two runs:
+
+    scheduler                    alternate  stall-free 24  stall-free 32
+    stream ITL p50 alone, ms      20.1/19.7          -/18.4     19.2/20.2
+    ITL p99 during prefill, ms   358.7/350.5        -/86.7     99.3/109.2
+    p99 / p50                     17.8/17.8x          -/4.7x      5.2/5.4x
+    long prompts' TTFT median, s   4.53/4.37         -/6.42     5.70/6.10
+
+Every 16 prompt tokens add ~15-20 ms to the step (weight matmuls and the chunk's attention). 32
+tokens keep a stream's worst gap near 110 ms for 1.3-1.4x the alternate policy's TTFT (which
+prefills both prompts side by side in 256-token steps and stalls streams ~350 ms per step): the
+default.
 When no row decodes, prompts go in chunks of `solo_prefill_tokens`: nobody waits on the chunk.
 
 Speculation (runtime/speculation.py): in a step where every row decodes and at most

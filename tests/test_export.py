@@ -50,8 +50,15 @@ def test_verify_cli_prints_parity(exports):
 def test_inplace_graph_uses_tensorscatter_and_attention(exports):
     model = onnx.load(str(exports("inplace", "fp32") / "model.onnx"))
     ops = [n.op_type for n in model.graph.node]
-    # 2 layers: K and V written per layer; a chunk and a decode Attention per layer (InplaceStep)
-    assert ops.count("TensorScatter") == 2 * 2 and ops.count("Attention") == 2 * 2
+    # 2 layers: K and V written per layer; per layer a chunk Attention and an If whose branches are the
+    # decode Attention over the decode span and over the whole buffer (InplaceStep)
+    assert ops.count("TensorScatter") == 2 * 2 and ops.count("Attention") == 2 and ops.count("If") == 2
+    for node in (n for n in model.graph.node if n.op_type == "If"):
+        assert [[n.op_type for n in branch.g.node].count("Attention") for branch in node.attribute] == [1, 1]
+    # each attention's key span is one Slice of the buffer: chained Slices would copy rows at full capacity
+    producers = {out: n for n in model.graph.node for out in n.output}
+    slices = [n for n in model.graph.node if n.op_type == "Slice"]
+    assert not [n for n in slices if n.input[0] in producers and producers[n.input[0]].op_type == "Slice"]
     assert model.opset_import[0].version == 24
     dims = [d.dim_param for d in model.graph.input[7].type.tensor_type.shape.dim]  # after logit_index
     assert dims[0] == "batch" and dims[2] == "capacity"

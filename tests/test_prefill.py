@@ -70,7 +70,7 @@ def test_inplace_graph_projects_only_the_asked_positions(exports):
     assert out.shape == (2, 3, manifest.model.vocab_size)
     graph = onnx.load(str(directory / "model.onnx"), load_external_data=False).graph
     assert [i.name for i in graph.input[:7]] == ["input_ids", "positions", "write_positions", "row_tokens",
-                                                  "chunk_extent", "token_slots", "logit_index"]
+                                                  "attention_extent", "token_slots", "logit_index"]
     assert graph.output[0].type.tensor_type.shape.dim[0].dim_param == "kept"
     # the final norm and lm_head read the hidden states gathered at logit_index, not every token
     producer = {out: n for n in graph.node for out in n.output}

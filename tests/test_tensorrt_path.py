@@ -123,7 +123,7 @@ def test_profiles_cover_slots_new_tokens_and_the_pinned_capacity(exports):
     assert shapes["row_tokens"] == ((1, 1), (4, 1), (4, 16))
     assert shapes["write_positions"] == ((1,), (4,), (4,))
     assert shapes["logit_index"] == ((1,), (4,), (64,))  # generation's one per row; scoring all
-    assert shapes["chunk_extent"] == ((2,), (2,), (2,))
+    assert shapes["attention_extent"] == ((3,), (3,), (3,))
     assert shapes["past_key_values.0.key"] == ((1, kvh, cap, hd), (4, kvh, cap, hd), (4, kvh, cap, hd))
     concat = profile_shapes(Manifest(**{**manifest.__dict__, "kv_layout": "concat"}), 4, 16)
     for corner in range(3):  # the network must be consistent at min, opt and max
@@ -135,7 +135,8 @@ def test_profiles_cover_slots_new_tokens_and_the_pinned_capacity(exports):
 def test_offline_op_check_on_real_exports(exports, tmp_path):
     inplace = exports("inplace", "fp32") / "model.onnx"
     old = trt_ops.unsupported_ops(inplace, "10.13")
-    assert any(line.startswith("Attention x4: ") and "added in 10.14" in line for line in old)  # chunk + decode, 2 layers
+    # per layer (2): the chunk's, and the decode queries' in each branch of the If on the decode span
+    assert any(line.startswith("Attention x6: ") and "added in 10.14" in line for line in old)
     assert any(line.startswith("TensorScatter x") and "added in 10.15" in line for line in old)
     # from 10.15 the fp32 in-place export imports whole: TensorScatter in place, Attention with a mask
     assert trt_ops.unsupported_ops(inplace, "10.15") == [] == trt_ops.unsupported_ops(inplace, "11.0")

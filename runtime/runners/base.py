@@ -148,8 +148,9 @@ def pack_step(input_ids: np.ndarray, write_positions: np.ndarray, num_new: np.nd
     """The inplace graph's inputs (kvforge.manifest.io_tensors) for a right-padded step: the real
     tokens packed row after row; the chunk rows are 0..P-1, P = 1 + the last row feeding more than
     one token (a one-token row among them still takes its output from the decode query); their
-    key span L covers the multi-token rows only. With none, row 0 stands in as a chunk of one query
-    over one key (ONNX Runtime's Attention needs a batch), its output unused."""
+    key span L covers the multi-token rows only, the decode queries' span D the one-token rows.
+    With no multi-token row, row 0 stands in as a chunk of one query over one key (ONNX Runtime's
+    Attention needs a batch), its output unused; with no one-token row, D = 1."""
     rows, width = input_ids.shape
     num_new = np.asarray(num_new, np.int64)
     real = np.arange(width)[None, :] < num_new[:, None]
@@ -160,11 +161,13 @@ def pack_step(input_ids: np.ndarray, write_positions: np.ndarray, num_new: np.nd
     multi = np.flatnonzero(num_new > 1)
     chunk_rows = int(multi[-1]) + 1 if len(multi) else 1
     chunk_keys = int((write_positions[multi] + num_new[multi]).max()) if len(multi) else 1
+    single = num_new == 1
+    decode_keys = int(write_positions[single].max()) + 1 if single.any() else 1
     slots = np.where(num_new[:, None] > 1, np.arange(rows)[:, None] * width + np.arange(width),
                      chunk_rows * width + np.arange(rows)[:, None])
     return {"input_ids": input_ids[real], "positions": (write_positions[:, None] + np.arange(width))[real],
             "write_positions": write_positions, "row_tokens": row_tokens,
-            "chunk_extent": np.array([chunk_rows, chunk_keys], np.int64), "token_slots": slots[real],
+            "attention_extent": np.array([chunk_rows, chunk_keys, decode_keys], np.int64), "token_slots": slots[real],
             "logit_index": np.take_along_axis(row_tokens, logit_positions, axis=1).ravel()}
 
 

@@ -89,7 +89,7 @@ class TensorRTRunner(Runner):
 
     def _upload(self, name: str, array: np.ndarray) -> None:
         if self.engine.is_shape_inference_io(name):
-            # chunk_extent sets the chunk's Slice bounds: TensorRT reads such inputs from host memory
+            # attention_extent sets the attention Slice bounds: TensorRT reads such inputs from host memory
             self.host_inputs[name] = array
             self.context.set_input_shape(name, array.shape)
             self.context.set_tensor_address(name, array.ctypes.data)
