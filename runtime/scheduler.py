@@ -240,6 +240,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _next_batch(self) -> Batch:
+        self.kv.prompts_first(self.running)
         pending = [s.pending for s in self.running]
         decoding = 1 in pending
         budget = self.prefill_budget if decoding else self.solo_prefill_tokens
@@ -255,7 +256,8 @@ class Scheduler:
             num_new.append(take)
         width = max(num_new)
         kind = "decode" if width == 1 else "mixed" if decoding else "prefill"
-        self.kv.fit_capacity(max(s.num_cached for s in self.running) + width, len(self.running))
+        self.kv.fit_capacity(max(s.num_cached for s in self.running) + width, len(self.running),
+                             self.kv.ends(self.running))
         return Batch.of(kind, self.running, width, num_new)
 
     def _speculative_batch(self, room: int) -> Batch | None:
@@ -289,7 +291,7 @@ class Scheduler:
                 kind, rows = "prefill", prefill_rows
         seqs = self.running[:rows]
         width = min(width, room)
-        self.kv.fit_capacity(max(s.num_cached for s in seqs) + width, len(self.running))
+        self.kv.fit_capacity(max(s.num_cached for s in seqs) + width, len(self.running), self.kv.ends(self.running))
         return Batch.of(kind, seqs, width)
 
     # ------------------------------------------------------------------ after a step
