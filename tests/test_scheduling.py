@@ -52,19 +52,21 @@ class StepSpy:
     """Records, for every step, each row's pending tokens before it and the tokens it was fed."""
 
     def __init__(self, engine: LLMEngine):
-        self.engine, self.steps = engine, []
+        self.engine, self.steps, self.fits = engine, [], []  # fits: the capacity held every row's end
         self.step = engine.runner.step
         engine.runner.step = self
 
     def __call__(self, input_ids, write_positions, num_new, logit_positions=None):
-        pending = [s.pending for s in self.engine.scheduler.running[:len(num_new)]]
+        running = self.engine.scheduler.running[:len(num_new)]
+        pending = [s.pending for s in running]
         self.steps.append((pending, list(map(int, num_new))))
+        self.fits.append(self.engine.runner.capacity >= max(s.num_cached + s.pending + 1 for s in running))
         return self.step(input_ids, write_positions, num_new, logit_positions)
 
 
 def test_decoding_rows_are_in_every_step_and_prompts_always_advance(fp32):
     budget = 32
-    with LLMEngine(fp32, slots=4, prefill_budget=budget) as engine:
+    with LLMEngine(fp32, slots=8, prefill_budget=budget) as engine:  # 8: a spare row to move rows through
         spy = StepSpy(engine)
         started, done = threading.Semaphore(0), threading.Semaphore(0)
 
@@ -87,6 +89,8 @@ def test_decoding_rows_are_in_every_step_and_prompts_always_advance(fp32):
         stats = engine.stats()
     mixed = 0
     for pending, fed in spy.steps:
+        # prompt rows first (pack_step's chunk rows are a prefix): no decoding row before a prompt row
+        assert not any(a == 1 < b for a, b in zip(pending, pending[1:])), pending
         decoding = [f for p, f in zip(pending, fed) if p == 1]
         prompt = [(p, f) for p, f in zip(pending, fed) if p > 1]
         assert all(f == 1 for f in decoding), (pending, fed)  # no decoding row waits for a prompt
@@ -97,6 +101,9 @@ def test_decoding_rows_are_in_every_step_and_prompts_always_advance(fp32):
             mixed += bool(decoding)
     assert mixed >= (300 + 200) // budget  # the long prompts prefilled beside the streams
     assert stats["mixed_steps"] == mixed
+    assert stats["row_moves"] >= 1  # the 300-token prompt decoded ahead of the 200-token one: moved behind it
+    # the capacity grew at once to hold each prompt's end, not bucket by bucket as the prompt advanced
+    assert all(fit for (pending, _), fit in zip(spy.steps, spy.fits) if max(pending) > 1)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "int8"])

@@ -127,11 +127,11 @@ class KVManager:
         ends()) where the budget allows: a resize copies every row's KV, and growing bucket by
         bucket made a 2K-token prompt resize 13 times beside a decoding stream, 20-36 ms each
         past 1K tokens on small-llama, each one a stall for the stream."""
-        if tokens > self.runner.capacity:
-            slots = self._rows_for(rows)
-            wanted = min(max(tokens, ahead), self.runner.manifest.max_seq_len)
-            target = wanted if self._slot_bytes(slots, wanted) <= self.kv_cache_bytes else tokens
-            self.runner.resize(self.runner.bucket_for(target), rows, slots=slots)
+        wanted, slots = min(max(tokens, ahead), self.runner.manifest.max_seq_len), self._rows_for(rows)
+        if wanted > self.runner.capacity and self._slot_bytes(slots, wanted) > self.kv_cache_bytes:
+            wanted = tokens
+        if wanted > self.runner.capacity:
+            self.runner.resize(self.runner.bucket_for(wanted), rows, slots=slots)
             self.counters["resizes"] += 1
 
     @staticmethod
