@@ -25,18 +25,19 @@ medians of 3 rounds per run):
 
 That was export format 3, where a decode row's attention followed the buffer's capacity, which
 the two prompts grow to their 2K-token bucket (one decode row: 31 ms at capacity 2,560, 45 ms at
-4,096, ~22 ms in a small bucket). Format 4 attends over the decode rows' own span; the same
-rounds (Poisson load skipped), two runs:
+4,096, ~22 ms in a small bucket). Format 4 attends over the decode rows' own span, the capacity
+grows once per prompt and prompt rows stay before decoding rows (runtime/kv/manager.py); the same
+section, two full runs:
 
-    scheduler                    alternate  stall-free 24  stall-free 32
-    stream ITL p50 alone, ms      20.1/19.7          -/18.4     19.2/20.2
-    ITL p99 during prefill, ms   358.7/350.5        -/86.7     99.3/109.2
-    p99 / p50                     17.8/17.8x          -/4.7x      5.2/5.4x
-    long prompts' TTFT median, s   4.53/4.37         -/6.42     5.70/6.10
+    scheduler                    alternate  stall-free 32  stall-free 48  stall-free 256
+    stream ITL p50 alone, ms      19.8/18.4     19.5/19.0      19.2/19.2      19.1/19.2
+    ITL p99 during prefill, ms   334.6/320.6     77.9/78.8    120.4/115.8    462.0/514.2
+    p99 / p50                     16.9/17.4x      4.0/4.2x       6.3/6.0x      24.2/26.8x
+    long prompts' TTFT median, s   4.40/4.27     4.89/5.00      4.26/4.01      3.23/3.40
 
 Every 16 prompt tokens add ~15-20 ms to the step (weight matmuls and the chunk's attention). 32
-tokens keep a stream's worst gap near 110 ms for 1.3-1.4x the alternate policy's TTFT (which
-prefills both prompts side by side in 256-token steps and stalls streams ~350 ms per step): the
+tokens keep a stream's p99 gap near 4x its own for ~1.1-1.2x the alternate policy's TTFT (which
+prefills both prompts side by side in 256-token steps and stalls streams ~330 ms per step): the
 default.
 When no row decodes, prompts go in chunks of `solo_prefill_tokens`: nobody waits on the chunk.
 
