@@ -4,8 +4,8 @@
   the engines themselves (runner.kv_bytes_allocated, KVManager.can_admit) for a model with
   DeepSeek-V3's attention dims and for MHA / GQA Llamas of the same hidden size;
 - prefill: one chunk of W tokens onto a cache holding P, absorbed vs decompressed (the two paths
-  of export.model.mla_attention, each exported alone), at the widths 16..1024, and which one the
-  graph's If picks there (export.model.decompresses);
+  of export.model.mla_attention, each exported alone) vs the shipped graph (its If picks by
+  export.model.decompresses at the chunk's width and key span P + W), at the widths 16..1024;
 - decode: tokens/s at 512 / 2K / 4K context, both paths;
 - quality: held-out perplexity and greedy agreement of the fp16 and int8 latent against fp32 on a
   small MLA model trained like the default model (export.train --architecture mla; random
@@ -166,8 +166,8 @@ def kv_accounting(runner, budget: int, tokens: int) -> dict:
 
 
 def prefill_table(runners: dict, s: Shape) -> list[dict]:
-    """Seconds of one W-token step onto a cache of P tokens, the paths taking turns each round, and
-    the path the auto graph's If takes for it."""
+    """Seconds of one W-token step onto a cache of P tokens, the graphs taking turns each round, and
+    the path the shipped graph's If takes for it."""
     from export.model import decompresses
 
     spec = runners["absorbed"].manifest.model
@@ -184,11 +184,11 @@ def prefill_table(runners: dict, s: Shape) -> list[dict]:
                     runner.step(ids, np.array([past]), np.array([width]))
                     times[path].append(time.perf_counter() - began)
             row = {"width": width, "past": past, "capacity": capacity,
-                   "if_picks": "decompressed" if decompresses(spec, width, capacity) else "absorbed",
+                   "if_picks": "decompressed" if decompresses(spec, width, past + width) else "absorbed",
                    **{p: summary_ms(t) for p, t in times.items()}}
             row["decompressed_speedup"] = round(row["absorbed"]["median_ms"] / row["decompressed"]["median_ms"], 3)
-            say(f"mla prefill: {width} tokens onto {past}: absorbed {row['absorbed']['median_ms']:.1f} ms, "
-                f"decompressed {row['decompressed']['median_ms']:.1f} ms")
+            say(f"mla prefill: {width} tokens onto {past}: " +
+                ", ".join(f"{p} {row[p]['median_ms']:.1f} ms" for p in runners))
             rows.append(row)
     return rows
 
@@ -242,7 +242,8 @@ def run(params, artifacts) -> dict:
     root = artifacts.root / "checkpoints"
     mla = random_checkpoint(root / f"mla-v3-attention-{s.heads}h", mla_config(s, vocab))
     runners = {p: open_runner(path_export(artifacts, mla, p), params.threads) for p in PATHS}
-    spec = runners["absorbed"].manifest.model
+    shipped = open_runner(artifacts.export(str(mla), "inplace", "fp32"), params.threads)
+    spec = shipped.manifest.model
 
     say("mla: KV bytes and sequences in the budget, from the engines' accounting")
     budget, tokens = params.kv_budget_bytes, params.budget_sequence_tokens
@@ -259,7 +260,7 @@ def run(params, artifacts) -> dict:
         row["x_mla_fp16"] = round(row["bytes_per_token"] / fp16_mla, 2)
 
     say(f"mla: prefill, absorbed vs decompressed ({s.prefill_rounds} rounds)")
-    prefill = prefill_table(runners, s)
+    prefill = prefill_table({**runners, "shipped": shipped}, s)
     say(f"mla: decode ({s.decode_rounds} rounds)")
     decode = decode_table(runners, s)
     say("mla: latent KV dtypes on " + ("the trained MLA model" if s.trained else "the seeded model (quick)"))
@@ -312,7 +313,8 @@ def markdown(results: dict) -> list[str]:
     accounting = [[r["model"], r["kv_dtype"], f"{r['bytes_per_token']:,}", f"{r['x_mla_fp16']:.2f}x",
                    f"{r['sequences_by_bytes']:,}", f"{r['sequences_admitted']:,}"] for r in section["accounting"]]
     prefill = [[r["past"], r["width"], f"{r['absorbed']['median_ms']:.1f}", f"{r['decompressed']['median_ms']:.1f}",
-                f"{r['decompressed_speedup']:.2f}x", r["if_picks"]] for r in section["prefill"]]
+                f"{r['decompressed_speedup']:.2f}x", r["if_picks"], f"{r['shipped']['median_ms']:.1f}"]
+               for r in section["prefill"]]
     decode = [[r["context"], f"{r['absorbed']['tokens_per_s']:.1f}", f"{r['decompressed']['tokens_per_s']:.1f}"]
               for r in section["decode"]]
     q = section["quality"]
@@ -325,10 +327,11 @@ def markdown(results: dict) -> list[str]:
             f"{section['kv_budget_bytes'] / 2**30:g} GiB, by bytes and as KVManager admits them.",
             "", *table(["model", "KV dtype", "bytes/token/layer", "x MLA fp16", "sequences by bytes",
                         "sequences KVManager admits"], accounting),
-            "", "Prefill: one step of W tokens onto P cached ones (ms, median), and the path the export's If "
-            "takes (fewer multiply-adds at the step's width and capacity; over a long context from "
-            f"{section['long_context_crossover']} tokens).", "",
-            *table(["P", "W", "absorbed ms", "decompressed ms", "decompressed speedup", "the If picks"], prefill),
+            "", "Prefill: one step of W tokens onto P cached ones (ms, median), the path the export's If "
+            "takes (fewer multiply-adds at the step's width and key span P + W; over a long context from "
+            f"{section['long_context_crossover']} tokens) and the shipped graph's time.", "",
+            *table(["P", "W", "absorbed ms", "decompressed ms", "decompressed speedup", "the If picks", "shipped ms"],
+                   prefill),
             "", "Decode (batch 1, tokens/s):", "",
             *table(["context", "absorbed", "decompressed"], decode),
             "", (f"Latent KV dtypes on `{q['model']}` (trained {q['training']['steps']} steps, "
@@ -345,7 +348,7 @@ def plot(plt, results: dict, out: Path) -> None:
     if section_ran(section):
         for color, past in enumerate(section["shape"]["prefill_pasts"]):
             rows = [r for r in section["prefill"] if r["past"] == past]
-            for path, style in (("absorbed", "o-"), ("decompressed", "s--")):
+            for path, style in (("absorbed", "o-"), ("decompressed", "s--"), ("shipped", "x:")):
                 left.plot([r["width"] for r in rows], [r[path]["median_ms"] for r in rows], style, color=f"C{color}",
                           label=f"{path}, {past} cached")
         left.set(xscale="log", yscale="log", xlabel="prefill chunk (tokens)", ylabel="step ms (median)",

@@ -13,9 +13,10 @@ from pathlib import Path
 
 from kvforge.manifest import (KV_DTYPES, KV_LAYOUTS, Manifest, ManifestError, ModelSpec, check_attention_dtype,
                               check_layout_dtype)
+from kvforge import env
 from kvforge.cli import atomic_directory, fail_cleanly, progress
 
-CHECKPOINT_CACHE = Path(os.environ.get("KVFORGE_CHECKPOINTS", "build/checkpoints"))
+CHECKPOINT_CACHE = Path(os.environ.get(env.CHECKPOINTS, "build/checkpoints"))
 
 
 def resolve_model(model: str) -> Path:

@@ -29,6 +29,7 @@ DISAGGREGATE = "KVFORGE_DISAGGREGATE"  # 0 | 1: a prefill worker process beside 
 PREFILL_THREADS = "KVFORGE_PREFILL_THREADS"  # the prefill worker's intra-op threads
 PD_THRESHOLD = "KVFORGE_PD_THRESHOLD"  # uncached prompt tokens above which a prompt is prefilled remotely
 PD_TRANSPORT = "KVFORGE_PD_TRANSPORT"  # shm (one host) | redis (the KV Redis tier)
+PD_AUTHKEY = "KVFORGE_PD_AUTHKEY"  # the prefill worker's connection key, from the engine that starts it
 SPECULATIVE = "KVFORGE_SPECULATIVE"  # off | ngram: requests verify tokens drafted from their context
 SPECULATIVE_METHODS = ("off", "ngram")
 SPECULATIVE_TOKENS = "KVFORGE_SPECULATIVE_TOKENS"  # the most tokens a draft holds

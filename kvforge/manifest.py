@@ -285,7 +285,7 @@ class ModelSpec:
 
 
 def check_attention_dtype(spec: ModelSpec, dtype: str) -> None:
-    """MLA caches run fp32 and fp16 only (MLA_REFUSED_DTYPE says why)."""
+    """MLA caches run MLA_KV_DTYPES only (MLA_REFUSED_DTYPE says why)."""
     if spec.attention == "mla" and dtype not in MLA_KV_DTYPES:
         raise ManifestError(f"KV dtype {dtype} is not available for MLA ({spec.architecture}); it supports "
                             f"{', '.join(MLA_KV_DTYPES)}: {MLA_REFUSED_DTYPE}")

@@ -37,6 +37,7 @@ from multiprocessing.connection import Client
 from pathlib import Path
 from typing import Callable
 
+from kvforge import env
 from kvforge.block_hash import chain
 from kvforge.manifest import Manifest, cache_namespace, kv_block_spec
 from runtime.kv.tiers.codec import BlockCodec
@@ -44,7 +45,6 @@ from runtime.kv.tiers.handoff import DEFAULT_ROOT, HandoffTier
 
 log = logging.getLogger("kvforge.disaggregation")
 
-AUTHKEY_ENV = "KVFORGE_PD_AUTHKEY"
 TRANSPORTS = ("shm", "redis")
 # Prompts with fewer uncached tokens stay local: a remote prefill costs a round trip and a
 # hand-off, which a few hundred tokens of stall-free prefill do not repay (bench mixed_load).
@@ -169,10 +169,10 @@ class PrefillWorker:
         socket.unlink(missing_ok=True)
         # the code of this checkout, whatever process (a Triton stub) starts the worker
         root = str(Path(__file__).resolve().parents[1])
-        environment = dict(os.environ, **{AUTHKEY_ENV: self.authkey.hex()},
+        environment = dict(os.environ, **{env.PD_AUTHKEY: self.authkey.hex()},
                            PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         if self.config.transport == "redis":
-            environment["KVFORGE_KV_REDIS_URL"] = self.config.redis_url
+            environment[env.KV_REDIS_URL] = self.config.redis_url
         self.process = subprocess.Popen(self._command(), env=environment, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + START_TIMEOUT
         while not socket.exists():

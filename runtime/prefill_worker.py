@@ -20,7 +20,7 @@ from kvforge import env
 from kvforge.block_hash import placement_tags
 from kvforge.errors import KVForgeError
 from kvforge.manifest import Manifest, cache_namespace, kv_block_spec
-from runtime.disaggregation import AUTHKEY_ENV, LEASE_SECONDS
+from runtime.disaggregation import LEASE_SECONDS
 from runtime.kv.tiers.codec import BlockCodec
 from runtime.kv.tiers.handoff import HandoffTier
 from runtime.kv.tiers.redis import RedisTier
@@ -38,7 +38,7 @@ def serve(engine_dir: Path, socket: Path, threads: int | None, handoff_dir: Path
     parent, send_lock, cancelled = os.getppid(), threading.Lock(), set()
     submitted_at, request_ids = {}, {}  # job -> when it arrived; job -> its request in this engine
     with LLMEngine(engine_dir, threads=threads, slots=1) as engine, \
-            Listener(str(socket), family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop(AUTHKEY_ENV))) as listener:
+            Listener(str(socket), family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop(env.PD_AUTHKEY))) as listener:
         conn = listener.accept()
 
         def reply(report: dict) -> None:

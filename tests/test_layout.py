@@ -137,14 +137,14 @@ def check_imports(blocked: tuple[str, ...], mode: str, targets: list[str]) -> No
 def test_every_package_but_the_stub_code_imports_without_nvidia_pytriton():
     modules = [name for name in project_modules()
                if not name.startswith(("triton_models", "model_repository"))]
-    check_imports(("pytriton", "triton_python_backend_utils"), "none", modules)
+    check_imports(("pytriton", "tritonserver", "triton_python_backend_utils"), "none", modules)
 
 
 def test_stub_code_imports_with_a_stand_in_for_the_python_backend():
     modules = project_modules()
     targets = [name for name in modules if name.startswith("triton_models")]
     targets += [str(path) for name, path in modules.items() if name.startswith("model_repository")]
-    check_imports(("pytriton",), "stand-in", targets)
+    check_imports(("pytriton", "tritonserver"), "stand-in", targets)
 
 
 def test_pyproject_lists_every_package():

@@ -134,7 +134,19 @@ def test_manifest_fields_and_latent_tensors(mla_exports):
     ops = [n.op_type for n in nodes]
     assert ops.count("TensorScatter") == 2 and ops.count("If") == 2  # one latent per layer, one If on the chunk width
     assert ops.count("Attention") == 6  # per layer the decode query's, and the chunk's two in the If's branches
-    assert {n.domain for n in nodes} <= {"", "ai.onnx"}  # only standard ops, no contrib kernels
+
+
+@pytest.mark.parametrize("variant,layout,dtype", [("v3-interleave-qlora-yarn", "inplace", "fp32"),
+                                                  ("v3-interleave-qlora-yarn", "concat", "fp32"),
+                                                  ("v3-interleave-qlora-yarn", "inplace", "int8"),
+                                                  ("v3-interleave-qlora-yarn", "concat", "int8"),
+                                                  ("v3-halves-noqlora", "inplace", "fp16")])
+def test_every_latent_export_uses_standard_ops_only(mla_exports, variant, layout, dtype):
+    """No contrib kernels in any layout or KV dtype: the graph runs on any ONNX runtime."""
+    model = onnx.load(str(mla_exports(variant, layout, dtype) / "model.onnx"))
+    nodes = list(graph_nodes(model.graph))
+    assert {"past_key_values.1.latent", "present.1.latent"} <= {t.name for t in [*model.graph.input, *model.graph.output]}
+    assert {n.domain for n in nodes} <= {"", "ai.onnx"}
     assert all(o.domain in ("", "ai.onnx") for o in model.opset_import)
 
 
@@ -148,10 +160,10 @@ def graph_nodes(graph):
 
 
 def test_absorbed_and_decompressed_steps_agree(mla_exports):
-    """A step the cost model (export.model.decompresses) gives to the decompressed path takes the
-    If's decompressed branch (per-head K/V from kv_b_proj, standard attention), a narrower one the
-    absorbed: a prompt prefilled in one wide step and in narrow chunks gives the same logits at
-    every position (and verify checks both against transformers)."""
+    """The If's condition is export.model.decompresses(spec, chunk width, the chunk's key span): a
+    prompt prefilled in one wide step (its span is its width: decompressed) and in narrow chunks
+    (after the first, each spans at least 16 positions: absorbed) gives the same logits at every
+    position (and verify checks both paths against transformers)."""
     from export.model import decompresses
     from runtime.runners import open_runner
 
@@ -159,7 +171,8 @@ def test_absorbed_and_decompressed_steps_agree(mla_exports):
     runner = open_runner(directory)
     wide, narrow, capacity = 48, 8, 64
     spec = runner.manifest.model
-    assert decompresses(spec, wide, capacity) and not decompresses(spec, narrow, capacity)
+    assert decompresses(spec, wide, wide) and decompresses(spec, narrow, narrow)  # fresh prompts
+    assert not any(decompresses(spec, narrow, start + narrow) for start in range(narrow, wide, narrow))
     assert not decompresses(spec, 1, capacity) and not decompresses(spec, 20, 1 << 20)  # decode; long context
     prompt = np.random.default_rng(4).integers(3, VOCAB, wide)[None]
     runner.allocate(1, capacity)
@@ -171,7 +184,7 @@ def test_absorbed_and_decompressed_steps_agree(mla_exports):
 
 
 def test_older_manifests_read_as_mha():
-    """The MLA fields were added with defaults, so a format-2 manifest without them means the same."""
+    """The MLA fields have defaults, so a Llama's model spec without them means MHA."""
     from export.presets import hf_config as preset_config
 
     spec = ModelSpec.from_hf_config(preset_config("tiny-llama"))
@@ -194,10 +207,11 @@ def test_inplace_export_matches_transformers(mla_exports, variant):
     assert report.max_abs_diff <= 1e-4 and report.greedy_agreement == 1.0, report
 
 
-def test_concat_export_matches_transformers(mla_exports):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_concat_export_matches_transformers(mla_exports, variant):
     from export.verify import verify
 
-    report = verify(mla_exports("v3-interleave-qlora-yarn", "concat"), steps=STEPS)
+    report = verify(mla_exports(variant, "concat"), steps=STEPS)
     assert report.max_abs_diff <= 1e-4 and report.greedy_agreement == 1.0, report
 
 
@@ -259,16 +273,18 @@ def test_int8_latent_cache(mla_exports, checkpoints, layout):
     assert (np.abs(latent * step - np.concatenate([c_kv, k_pe], -1)) <= 0.5 * step + 1e-6).all()
 
 
-@pytest.mark.parametrize("variant", ["v3-interleave-qlora-yarn", "v2-pairs-bias"])
-def test_latent_cache_equals_transformers_cache(mla_exports, checkpoints, variant):
-    """After a prefill the runner's latent is cat(keys, values) of transformers' cache, layer by layer."""
+@pytest.mark.parametrize("variant,layout", [("v3-interleave-qlora-yarn", "inplace"), ("v2-pairs-bias", "inplace"),
+                                            ("v3-interleave-qlora-yarn", "concat"), ("v2-pairs-bias", "concat")])
+def test_latent_cache_equals_transformers_cache(mla_exports, checkpoints, variant, layout):
+    """After a prefill the runner's latent is cat(keys, values) of transformers' cache, layer by
+    layer (the int8 latent: test_int8_latent_cache)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from runtime.runners import open_runner
 
     prompt = np.random.default_rng(1).integers(3, VOCAB, 21)
-    runner = open_runner(mla_exports(variant))
+    runner = open_runner(mla_exports(variant, layout))
     runner.allocate(1, 64)
     runner.step(prompt[None], np.array([0]), np.array([len(prompt)]))
     hf = AutoModelForCausalLM.from_pretrained(checkpoints[variant], dtype=torch.float32).eval()
@@ -358,6 +374,47 @@ def test_prefix_cache_hit_equals_miss_disk_tier_and_swap(mla_exports, tmp_path, 
     from runtime.greedy import greedy_tokens
 
     assert tokens == greedy_tokens(open_runner(directory, threads=1), document, 9)
+
+
+def test_two_engines_share_latent_blocks_through_redis(mla_exports):
+    """A real redis-server: what one engine stored (int8 latent and its scales), a second engine
+    with an empty RAM pool hits, with the output of a run without any cache."""
+    from launcher.harness import free_ports
+    from launcher.redis_server import RedisServer
+    from runtime.llm_engine import LLMEngine, SamplingParams
+    from tests.waiting import wait_written
+
+    directory = mla_exports("v2-pairs-bias", dtype="int8")
+    prompt = np.random.default_rng(5).integers(3, VOCAB, 73).tolist()
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    stored_blocks = (len(prompt) + params.max_tokens - 1) // 16  # the last token's KV is never computed
+    with LLMEngine(directory, prefix_cache=False, threads=1) as engine:
+        expected = engine.generate([prompt], params)[0]
+    with RedisServer(free_ports(1)[0]) as server:
+        with LLMEngine(directory, threads=1, kv_redis_url=server.url) as first:
+            cold = first.generate([prompt], params)[0]
+            wait_written(first, "redis", stored_blocks)
+        with LLMEngine(directory, threads=1, kv_redis_url=server.url) as second:
+            warm = second.generate([prompt], params)[0]
+            redis = second.stats()["tiers"]["redis"]
+    assert (cold.cached_tokens, warm.cached_tokens) == (0, 64)
+    assert redis["hit_blocks"] == 4 and redis["errors"] == 0
+    assert cold.token_ids == warm.token_ids == expected.token_ids
+
+
+def test_inplace_latent_updates_the_bound_buffers_without_copies(mla_exports, capfd):
+    """IOBinding aliases past and present latent buffers as for K/V: TensorScatter writes in place
+    (ONNX Runtime logs when it has to copy; the control binds present elsewhere and sees the log)."""
+    from tests.test_engines import _step_logging_inplace_warnings
+
+    directory = mla_exports("v3-interleave-qlora-yarn")
+    runner, pointers, log = _step_logging_inplace_warnings(directory, capfd, alias=True)
+    assert runner.data_pointers() == pointers
+    latent = runner.buffers["past_key_values.1.latent"]
+    assert np.abs(latent[:, :, :60]).sum() > 0 and not latent[:, :, 60:].any()  # 20 steps x 3 tokens
+    assert "in-place optimization not activated" not in log
+    _, _, control = _step_logging_inplace_warnings(directory, capfd, alias=False)
+    assert "in-place optimization not activated" in control
 
 
 # ---------------------------------------------------------------- refusals and sizes

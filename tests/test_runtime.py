@@ -119,6 +119,10 @@ def test_admission_waits_for_slots_and_kv_blocks(engine_dir):
         assert engine.stats()["max_rows"] == 2
         with pytest.raises(RequestError, match="needs 224 KV tokens .* the cache holds 128"):
             engine.submit(PROMPTS[0], SamplingParams(max_tokens=200))
+    # 192 tokens: three rows of 64, as many as the bytes hold (not the power of two below, 2)
+    with LLMEngine(engine_dir, slots=4, kv_cache_bytes=192 * bytes_per_token) as engine:
+        engine.generate(PROMPTS[:4], SamplingParams(max_tokens=20))
+        assert engine.stats()["max_rows"] == 3
 
 
 def test_queue_full_is_a_clear_error(engine_dir):

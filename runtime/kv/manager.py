@@ -4,7 +4,8 @@ when running sequences outgrow the budget.
 
 Slot buffers. Running sequences occupy runner rows 0..n-1; the runner allocates `rows x
 capacity` and this manager keeps that within `kv_cache_bytes`: a sequence is admitted only if
-the rows (a power of two, at most `slots`) at the capacity bucket of what it needs still fit -
+the rows (a power of two, or as many as the budget holds below it; at most `slots`) at the
+capacity bucket of what it needs still fit -
 its promise (prompt + max_tokens) under "reserve" admission, what it holds now under
 "optimistic" admission, where a batch that outgrows the budget preempts its youngest sequence
 (swapped to the host pool within SWAP_RESERVE of it, else recomputed). Utilization is what the
@@ -60,8 +61,12 @@ class KVManager:
 
     # ------------------------------------------------------------------ slot buffers
 
-    def _rows_for(self, sequences: int) -> int:
-        return min(self.slots, 1 << max(0, sequences - 1).bit_length())
+    def _rows_for(self, sequences: int, tokens: int) -> int:
+        """Runner rows for `sequences` packed rows at the capacity bucket of `tokens`: the next power
+        of two, so rows grow rarely (a resize copies every row's KV), but within the slots and no
+        more than the budget holds there (never fewer than `sequences`: then the byte check fails)."""
+        held = self.kv_cache_bytes // self._slot_bytes(1, tokens)
+        return min(self.slots, 1 << max(0, sequences - 1).bit_length(), max(sequences, held))
 
     def _slot_bytes(self, rows: int, tokens: int) -> int:
         return rows * self.runner.bucket_for(tokens) * self.bytes_per_token
@@ -77,11 +82,12 @@ class KVManager:
         if len(running) >= self.slots:
             return False
         longest = max(self._needs(s) for s in [*running, seq])
-        return self._slot_bytes(self._rows_for(len(running) + 1), longest) <= self.kv_cache_bytes
+        return self._slot_bytes(self._rows_for(len(running) + 1, longest), longest) <= self.kv_cache_bytes
 
     def fits(self, running: list[Sequence]) -> bool:
         """Whether the next step of `running` fits the budget (always true when reserving)."""
-        return self._slot_bytes(self._rows_for(len(running)), max(map(self._needs, running))) <= self.kv_cache_bytes
+        longest = max(map(self._needs, running))
+        return self._slot_bytes(self._rows_for(len(running), longest), longest) <= self.kv_cache_bytes
 
     def preempt(self, seq: Sequence, row: int) -> list[int] | None:
         """seq leaves the batch for now: its row goes to pool blocks (returned; None when the swap
@@ -104,7 +110,7 @@ class KVManager:
 
     def _make_room(self, sequences: int) -> None:
         """Enough runner rows for `sequences` packed rows (the ones before keep their KV)."""
-        rows = self._rows_for(sequences)
+        rows = self._rows_for(sequences, self.runner.capacity)
         if rows > self.runner.slots:
             self.runner.resize(self.runner.capacity, sequences - 1, slots=rows)
             self.counters["resizes"] += 1
@@ -113,11 +119,10 @@ class KVManager:
         """The widest next step for `running`: a step writes a window of its width into every row
         (the in-place scatter), so every row's cache plus the width must fit the largest capacity
         whose buffers stay within kv_cache_bytes (and max_seq_len). At least 1: fits() holds."""
-        rows = self._rows_for(len(running))
-        lo, hi = 1, self.runner.manifest.max_seq_len
+        lo, hi, n = 1, self.runner.manifest.max_seq_len, len(running)
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if self._slot_bytes(rows, mid) <= self.kv_cache_bytes else (lo, mid - 1)
+            lo, hi = (mid, hi) if self._slot_bytes(self._rows_for(n, mid), mid) <= self.kv_cache_bytes else (lo, mid - 1)
         return max(1, lo - max(s.num_cached for s in running))
 
     def fit_capacity(self, tokens: int, rows: int, ahead: int = 0) -> None:
@@ -127,11 +132,11 @@ class KVManager:
         ends()) where the budget allows: a resize copies every row's KV, and growing bucket by
         bucket made a 2K-token prompt resize 13 times beside a decoding stream, 20-36 ms each
         past 1K tokens on small-llama, each one a stall for the stream."""
-        wanted, slots = min(max(tokens, ahead), self.runner.manifest.max_seq_len), self._rows_for(rows)
-        if wanted > self.runner.capacity and self._slot_bytes(slots, wanted) > self.kv_cache_bytes:
+        wanted = min(max(tokens, ahead), self.runner.manifest.max_seq_len)
+        if wanted > self.runner.capacity and self._slot_bytes(self._rows_for(rows, wanted), wanted) > self.kv_cache_bytes:
             wanted = tokens
         if wanted > self.runner.capacity:
-            self.runner.resize(self.runner.bucket_for(wanted), rows, slots=slots)
+            self.runner.resize(self.runner.bucket_for(wanted), rows, slots=self._rows_for(rows, wanted))
             self.counters["resizes"] += 1
 
     @staticmethod
@@ -153,7 +158,7 @@ class KVManager:
     def refit(self, running: list[Sequence]) -> None:
         """After a preemption: exactly the rows and capacity `running` needs, within the budget again."""
         capacity = self.runner.bucket_for(max(s.num_cached + 1 for s in running))
-        slots = self._rows_for(len(running))
+        slots = self._rows_for(len(running), capacity)
         if (capacity, slots) != (self.runner.capacity, self.runner.slots):
             self.runner.resize(capacity, len(running), slots=slots)
             self.counters["resizes"] += 1
@@ -180,7 +185,7 @@ class KVManager:
             decoding = next((i for i, s in enumerate(running) if s.pending == 1), None)
             last_prompt = max((i for i, s in enumerate(running) if s.pending > 1), default=-1)
             spare = len(running)
-            rows = self._rows_for(spare + 1)
+            rows = self._rows_for(spare + 1, self.runner.capacity)
             if decoding is None or last_prompt < decoding or rows <= spare or \
                     self._slot_bytes(rows, self.runner.capacity) > self.kv_cache_bytes:
                 return
