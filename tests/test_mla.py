@@ -498,7 +498,10 @@ def test_kv_size_shows_mla_beside_mha_and_gqa(tmp_path):
 def test_streamed_through_triton_equals_in_process(mla_exports, tmp_path):
     """What `make build-engines MODEL=<dir>` and `make serve` run, on an int8-latent DeepSeek-V3
     export: `engines build` (its parity gate included), `engines repository`, the launcher with a
-    real tritonserver; a streamed greedy answer through `llm` equals LLMEngine's in process."""
+    real tritonserver and its OpenAI API; a streamed greedy answer through `llm` (tritonclient) and
+    through the `openai` client equals LLMEngine's in process."""
+    import openai
+
     from clients.api import LLMClient
     from launcher.harness import TritonServer, free_ports
     from runtime.llm_engine import LLMEngine, SamplingParams
@@ -513,9 +516,12 @@ def test_streamed_through_triton_equals_in_process(mla_exports, tmp_path):
         expected = engine.generate([prompt], SamplingParams(max_tokens=24))[0]
     # The server runs from this checkout (the harness's cwd), and so does its python stub: the
     # int8-latent manifest would not load with code older than this test.
-    http, grpc, metrics = free_ports(3)
-    with TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics) as server:
+    http, grpc, metrics, openai_port = free_ports(4)
+    with TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics, openai_port=openai_port) as server:
         deltas = list(LLMClient(server.grpc_url, "grpc").stream(prompt, max_tokens=24))
+        client = openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0)
+        chunks = client.completions.create(model="llm", prompt=prompt, max_tokens=24, temperature=0, stream=True)
+        openai_text = "".join(chunk.choices[0].text for chunk in chunks)
     assert len(deltas) > 1  # streamed, one response per token
     assert [t for d in deltas for t in d.token_ids] == expected.token_ids
-    assert "".join(d.text for d in deltas) == expected.text
+    assert "".join(d.text for d in deltas) == openai_text == expected.text
