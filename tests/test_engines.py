@@ -161,6 +161,13 @@ def test_ort_engine_build_records_and_gates(exports, tmp_path):
     model = Manifest.load(export_dir).model
     assert ops["DynamicQuantizeMatMul"] == 4 * model.num_layers + (not model.tie_word_embeddings)
     assert ops["MatMul"] == int(model.tie_word_embeddings)
+    # int4: MatMulNBits skips Gemm, so the untied lm_head (a Gemm x @ W^T) becomes a MatMul first
+    int4 = tmp_path / "engine-int4"
+    result = run_cli("engines", "build", str(export_dir), "--backend", "onnxruntime", "--weights", "int4",
+                     "--out", str(int4))
+    assert result.returncode == 0, result.stderr
+    ops = Counter(n.op_type for n in onnx.load(str(int4 / "model.onnx")).graph.node)
+    assert ops["MatMulNBits"] == 4 * model.num_layers + (not model.tie_word_embeddings) and ops["Gemm"] == 0
 
 
 def test_tensorrt_backend_refused_and_auto_falls_back(exports, tmp_path):
