@@ -19,6 +19,7 @@ from runtime.disaggregation import Disaggregation
 from runtime.kv.tiers.codec import BlockCodec
 from runtime.kv.tiers.handoff import HandoffTier
 from runtime.llm_engine import LLMEngine, SamplingParams
+from runtime.prefill_worker import NICE
 from tests.test_hardening import launch, refusal, repository
 from tests.waiting import wait_for
 
@@ -53,6 +54,8 @@ def test_disaggregated_tokens_equal_aggregated(fp32, aggregated):
     with started(LLMEngine(fp32, disaggregation=PD)) as engine:
         outputs = engine.generate(BATCH, PARAMS)
         stats = engine.stats()
+        # the worker yields the cores to decode steps (a nice process's threads share its niceness)
+        assert os.getpriority(os.PRIO_PROCESS, engine.pd.process.pid) == min(19, os.nice(0) + NICE)
     assert [r.token_ids for r in outputs] == aggregated
     remote = [i for i, p in enumerate(BATCH) if len(p) > PD.threshold_tokens]  # the conditional rule
     assert stats["pd_remote_prefills"] == stats["pd_handoffs"] == len(remote)
