@@ -53,6 +53,35 @@ def test_greedy_batched_equals_unbatched_reference(engine_dir):
     assert stats["running"] == stats["waiting"] == 0
     idle = 64 * Manifest.load(engine_dir).kv_bytes_per_token  # one row of the smallest bucket
     assert stats["kv_bytes_allocated"] == idle and stats["kv_utilization"] == idle / stats["kv_cache_bytes"]
+    assert idle < stats["kv_bytes_held"] <= stats["kv_cache_bytes"]  # the largest layout's pages stay
+
+
+def test_resizes_within_the_reservation_keep_every_row(engine_dir):
+    """The engine's buffers are views of one reservation, moved in place on a resize: each layout
+    holds exactly what a runner copying into new buffers holds (random KV, every row)."""
+    import numpy as np
+
+    reserved, fresh = open_runner(engine_dir), open_runner(engine_dir)
+    reserved.reserve(8 * 256 * reserved.manifest.kv_bytes_per_token)
+    rng = np.random.default_rng(0)
+    layouts = [(2, 64, 2), (4, 256, 2), (4, 256, 3), (3, 128, 3), (8, 64, 3), (2, 64, 2)]  # slots, capacity, rows
+    for runner in (reserved, fresh):
+        runner.allocate(*layouts[0][:2])
+    valid = {}  # row -> the positions it holds (beyond them a reserved layout holds stale KV, never read)
+    for slots, capacity, rows in layouts:
+        for runner in (reserved, fresh):
+            runner.resize(capacity, rows, slots=slots)
+        valid = {r: min(n, capacity) for r, n in valid.items() if r < rows} | {rows - 1: capacity}
+        for name in fresh.kv_arrays:
+            row = rng.standard_normal(fresh.kv_arrays[name][rows - 1].shape).astype(fresh.kv_arrays[name].dtype)
+            for runner in (reserved, fresh):
+                runner.kv_arrays[name][rows - 1] = row  # the newest row gets new KV; the others are kept
+                assert runner.kv_arrays[name].shape == (slots, row.shape[0], capacity, row.shape[2])
+            for r, n in valid.items():
+                assert np.array_equal(reserved.kv_arrays[name][r, :, :n], fresh.kv_arrays[name][r, :, :n])
+    assert np.shares_memory(reserved.kv_arrays[name], reserved.reservation.flat[name])  # a view, not a new array
+    assert reserved.kv_bytes_held == 4 * 256 * reserved.manifest.kv_bytes_per_token
+    assert fresh.kv_bytes_held == fresh.kv_bytes_allocated
 
 
 def test_requests_join_and_leave_the_running_batch(engine_dir):

@@ -8,8 +8,10 @@ the rows (a power of two, or as many as the budget holds below it; at most `slot
 capacity bucket of what it needs still fit -
 its promise (prompt + max_tokens) under "reserve" admission, what it holds now under
 "optimistic" admission, where a batch that outgrows the budget preempts its youngest sequence
-(swapped to the host pool within SWAP_RESERVE of it, else recomputed). Utilization is what the
-process really holds over the budget.
+(swapped to the host pool within SWAP_RESERVE of it, else recomputed). The buffers are views of
+one reservation of kv_cache_bytes (runtime/runners/ort.py SlotReservation): a resize or a row
+move never touches fresh pages, and the process holds the largest layout it has used
+(kv_bytes_held); utilization is the layout of now over the budget.
 
 Prefix cache. On admission the longest cached prefix of full blocks (never the last prompt
 token: its logits are needed) is copied into the row, and prefill starts after it. A request
@@ -57,6 +59,7 @@ class KVManager:
         self.in_flight: dict[bytes, int] = {}  # block hash -> request id of the running sequence computing it
         self.counters = dict(prefix_cache_queried_tokens=0, prefix_cache_hit_tokens=0, copy_in_blocks=0,
                              copy_in_seconds=0.0, copy_out_blocks=0, copy_out_seconds=0.0, resizes=0, row_moves=0)
+        runner.reserve(kv_cache_bytes)
         runner.allocate(1, runner.bucket_for(1))
 
     # ------------------------------------------------------------------ slot buffers
@@ -148,7 +151,8 @@ class KVManager:
     def shrink(self, running: list[Sequence]) -> None:
         """A smaller bucket once the longest sequence has left (not below what a prompt still
         prefilling will need: see fit_capacity); rows are kept for the next ones until nothing
-        runs (then one row of the smallest bucket is all an idle engine holds)."""
+        runs (then the layout is one row of the smallest bucket; the pages the reservation has
+        touched stay, for the next burst: kv_bytes_held)."""
         capacity = self.runner.bucket_for(min(self.ends(running), self.runner.manifest.max_seq_len))
         slots = self.runner.slots if running else 1
         if capacity < self.runner.capacity or slots < self.runner.slots:
@@ -363,6 +367,7 @@ class KVManager:
         pool = self.pool
         tiers = self.tiers.stats() if self.tiers is not None else LowerTiers.no_stats()
         return dict(kv_utilization=self.utilization, kv_bytes_allocated=self.runner.kv_bytes_allocated,
+                    kv_bytes_held=self.runner.kv_bytes_held,
                     kv_cache_bytes=self.kv_cache_bytes, capacity=self.runner.capacity, **self.counters,
                     kv_host_pool_bytes=pool.bytes_used if pool else 0,
                     kv_host_pool_budget_bytes=pool.budget_bytes if pool else 0,

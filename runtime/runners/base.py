@@ -65,6 +65,10 @@ class Runner(ABC):
         self.slots = 0
         self.capacity = 0
 
+    def reserve(self, nbytes: int) -> None:
+        """Before allocate: the KV memory every later layout within `nbytes` lives in (runners
+        that hold their KV in fixed buffers anyway need none)."""
+
     @abstractmethod
     def allocate(self, slots: int, capacity: int) -> None:
         """(Re)create empty KV buffers for `slots` sequences of up to `capacity` tokens."""
@@ -109,7 +113,13 @@ class Runner(ABC):
     @property
     @abstractmethod
     def kv_bytes_allocated(self) -> int:
-        """Bytes held by KV buffers right now."""
+        """Bytes of the KV buffers' layout right now."""
+
+    @property
+    def kv_bytes_held(self) -> int:
+        """Bytes of KV memory the process holds: the largest layout within a reservation (its
+        pages stay once touched), else the buffers of now."""
+        return self.kv_bytes_allocated
 
     def bucket_for(self, tokens: int) -> int:
         return capacity_bucket(tokens, self.manifest.max_seq_len)

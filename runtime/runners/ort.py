@@ -9,6 +9,7 @@ The interface they share is runtime/runners/base.py.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
@@ -62,11 +63,65 @@ class _OrtRunner(Runner):
         return kv_buffer_shape(self.specs[past_name], rows, length)
 
 
+class SlotReservation:
+    """One flat array per cache tensor holding `tokens` slot positions (rows x capacity), kept for
+    the runner's life: every layout within it is a view of its start, and a resize moves each
+    row's KV inside it. Why: a page touched for the first time costs ~1 ms per MB on this VM (a
+    2K-token row moved into a new buffer took ~100 ms, a resize into new zeroed arrays 5-260 ms,
+    each a stall for every decoding stream), and pages once touched stay. Views hold stale
+    (finite) KV beyond each row's length, as reused rows always have: attention reads a row only
+    up to its write position."""
+
+    def __init__(self, runner: "OrtInplaceRunner", tokens: int):
+        self.tokens = tokens
+        self.heads_width = {past: runner._buffer_shape(past, 1, 1)[1::2] for past, _ in runner.pairs}
+        # zeros, never stale bytes that could read as NaN: the kernel maps them lazily (no pages yet)
+        self.flat = {past: np.zeros(tokens * heads * width, runner.dtypes[past])
+                     for past, (heads, width) in self.heads_width.items()}
+        self.held_tokens = 0  # the largest layout so far: what the process holds of it
+
+    def fits(self, slots: int, capacity: int) -> bool:
+        return slots * capacity <= self.tokens
+
+    def views(self, slots: int, capacity: int) -> dict[str, np.ndarray]:
+        self.held_tokens = max(self.held_tokens, slots * capacity)
+        return {name: self.flat[name][:slots * heads * capacity * width].reshape(slots, heads, capacity, width)
+                for name, (heads, width) in self.heads_width.items()}
+
+    def relayout(self, old_capacity: int, new_capacity: int, rows: int, keep: int) -> None:
+        """Rows 0..rows-1 keep their first `keep` positions from [slots, heads, old_capacity, width]
+        to [slots, heads, new_capacity, width]. Each (row, head) block starts at its index x
+        capacity: growing, blocks move up and go last-first; shrinking, down and first-first, so
+        no block overwrites one not moved yet."""
+        if old_capacity == new_capacity:
+            return  # only the slot count changes: every row stays where it is
+        for name, flat in self.flat.items():
+            heads, width = self.heads_width[name]
+            position = flat.itemsize * width
+            blocks = range(rows * heads)
+            for b in (reversed(blocks) if new_capacity > old_capacity else blocks):
+                ctypes.memmove(flat.ctypes.data + b * new_capacity * position,
+                               flat.ctypes.data + b * old_capacity * position, keep * position)
+
+
 class OrtInplaceRunner(_OrtRunner):
+    reservation: SlotReservation | None = None
+
+    def reserve(self, nbytes: int) -> None:
+        """Before allocate: one reservation of `nbytes` of KV (SlotReservation) holds every later
+        layout that fits it."""
+        self.reservation = SlotReservation(self, nbytes // self.manifest.kv_bytes_per_token)
+
+    def _reserved(self, slots: int, capacity: int) -> bool:
+        return self.reservation is not None and self.reservation.fits(slots, capacity)
+
     def allocate(self, slots: int, capacity: int) -> None:
         self.slots, self.capacity = slots, capacity
-        self.buffers = {past: np.zeros(self._buffer_shape(past, slots, capacity), self.dtypes[past])
-                        for past, _ in self.pairs}
+        if self._reserved(slots, capacity):
+            self.buffers = self.reservation.views(slots, capacity)
+        else:
+            self.buffers = {past: np.zeros(self._buffer_shape(past, slots, capacity), self.dtypes[past])
+                            for past, _ in self.pairs}
 
     def step(self, input_ids, write_positions, num_new, logit_positions=None):
         from onnxruntime import OrtValue
@@ -98,6 +153,10 @@ class OrtInplaceRunner(_OrtRunner):
         if rows > slots:
             raise ValueError(f"cannot keep {rows} rows in {slots} slots")
         keep = min(capacity, self.capacity)
+        if self._reserved(self.slots, self.capacity) and self._reserved(slots, capacity):
+            self.reservation.relayout(self.capacity, capacity, rows, keep)
+            self.allocate(slots, capacity)
+            return
         old = self.buffers
         self.allocate(slots, capacity)
         for name, buf in self.buffers.items():
@@ -116,6 +175,12 @@ class OrtInplaceRunner(_OrtRunner):
     @property
     def kv_bytes_allocated(self):
         return sum(b.nbytes for b in self.buffers.values())
+
+    @property
+    def kv_bytes_held(self):
+        if self.reservation is None:
+            return self.kv_bytes_allocated
+        return self.reservation.held_tokens * self.manifest.kv_bytes_per_token
 
     @property
     def kv_arrays(self) -> dict[str, np.ndarray]:
