@@ -51,9 +51,11 @@ def test_greedy_batched_equals_unbatched_reference(engine_dir):
     assert stats["prefill_steps"] + stats["mixed_steps"] >= 3  # the long prompt took several chunks
     assert stats["resizes"] >= 2 and stats["capacity"] == 64  # grew for the long prompt, shrank after
     assert stats["running"] == stats["waiting"] == 0
-    idle = 64 * Manifest.load(engine_dir).kv_bytes_per_token  # one row of the smallest bucket
+    manifest = Manifest.load(engine_dir)
+    idle = 64 * manifest.kv_bytes_per_token  # one row of the smallest bucket
     assert stats["kv_bytes_allocated"] == idle and stats["kv_utilization"] == idle / stats["kv_cache_bytes"]
-    assert idle < stats["kv_bytes_held"] <= stats["kv_cache_bytes"]  # the largest layout's pages stay
+    # the reservation every layout lives in: three slots at max_seq_len, less than the budget
+    assert stats["kv_bytes_held"] == 3 * manifest.max_seq_len * manifest.kv_bytes_per_token < stats["kv_cache_bytes"]
 
 
 def test_resizes_within_the_reservation_keep_every_row(engine_dir):
@@ -80,8 +82,34 @@ def test_resizes_within_the_reservation_keep_every_row(engine_dir):
             for r, n in valid.items():
                 assert np.array_equal(reserved.kv_arrays[name][r, :, :n], fresh.kv_arrays[name][r, :, :n])
     assert np.shares_memory(reserved.kv_arrays[name], reserved.reservation.flat[name])  # a view, not a new array
-    assert reserved.kv_bytes_held == 4 * 256 * reserved.manifest.kv_bytes_per_token
+    assert reserved.kv_bytes_held == 8 * 256 * reserved.manifest.kv_bytes_per_token
     assert fresh.kv_bytes_held == fresh.kv_bytes_allocated
+
+
+def resident_bytes(array) -> int:
+    """The resident bytes of the mapping holding `array` (/proc/self/smaps)."""
+    mapping = None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                mapping = start <= array.ctypes.data < end
+            elif mapping and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError("the array's mapping is not in /proc/self/smaps")
+
+
+def test_the_reservation_is_resident_before_any_step(engine_dir):
+    """The reservation's pages are mapped in the background at startup, so the first resize or
+    row move into them does not stall every stream on page faults; what kv_bytes_held reports is
+    what the process holds."""
+    runner = open_runner(engine_dir)
+    runner.reserve(64 << 20)
+    wait_for(runner.reservation.populated, "the reservation's pages")
+    flat = runner.reservation.flat
+    assert sum(resident_bytes(a) for a in flat.values()) >= runner.kv_bytes_held == sum(a.nbytes for a in flat.values())
+    assert all(not a.any() for a in flat.values())  # mapped, contents untouched
 
 
 def test_requests_join_and_leave_the_running_batch(engine_dir):

@@ -9,9 +9,9 @@ capacity bucket of what it needs still fit -
 its promise (prompt + max_tokens) under "reserve" admission, what it holds now under
 "optimistic" admission, where a batch that outgrows the budget preempts its youngest sequence
 (swapped to the host pool within SWAP_RESERVE of it, else recomputed). The buffers are views of
-one reservation of kv_cache_bytes (runtime/runners/ort.py SlotReservation): a resize or a row
-move never touches fresh pages, and the process holds the largest layout it has used
-(kv_bytes_held); utilization is the layout of now over the budget.
+one reservation of the budget (or of every slot at max_seq_len, if less), mapped at startup
+(runtime/runners/ort.py SlotReservation): a resize or a row move never touches fresh pages. The
+process holds the reservation (kv_bytes_held); utilization is the layout of now over the budget.
 
 Prefix cache. On admission the longest cached prefix of full blocks (never the last prompt
 token: its logits are needed) is copied into the row, and prefill starts after it. A request
@@ -59,7 +59,7 @@ class KVManager:
         self.in_flight: dict[bytes, int] = {}  # block hash -> request id of the running sequence computing it
         self.counters = dict(prefix_cache_queried_tokens=0, prefix_cache_hit_tokens=0, copy_in_blocks=0,
                              copy_in_seconds=0.0, copy_out_blocks=0, copy_out_seconds=0.0, resizes=0, row_moves=0)
-        runner.reserve(kv_cache_bytes)
+        runner.reserve(min(kv_cache_bytes, slots * runner.manifest.max_seq_len * runner.manifest.kv_bytes_per_token))
         runner.allocate(1, runner.bucket_for(1))
 
     # ------------------------------------------------------------------ slot buffers
@@ -151,8 +151,7 @@ class KVManager:
     def shrink(self, running: list[Sequence]) -> None:
         """A smaller bucket once the longest sequence has left (not below what a prompt still
         prefilling will need: see fit_capacity); rows are kept for the next ones until nothing
-        runs (then the layout is one row of the smallest bucket; the pages the reservation has
-        touched stay, for the next burst: kv_bytes_held)."""
+        runs (then the layout is one row of the smallest bucket, inside the reservation)."""
         capacity = self.runner.bucket_for(min(self.ends(running), self.runner.manifest.max_seq_len))
         slots = self.runner.slots if running else 1
         if capacity < self.runner.capacity or slots < self.runner.slots:

@@ -117,8 +117,7 @@ class Runner(ABC):
 
     @property
     def kv_bytes_held(self) -> int:
-        """Bytes of KV memory the process holds: the largest layout within a reservation (its
-        pages stay once touched), else the buffers of now."""
+        """Bytes of KV memory the process holds: the reservation, else the buffers of now."""
         return self.kv_bytes_allocated
 
     def bucket_for(self, tokens: int) -> int:
