@@ -39,7 +39,7 @@ def shape(quick: bool) -> dict:
     if quick:
         return dict(model=None, budgets=(PREFILL_BUDGET,), rounds=1, stream_prompt=16, warm_tokens=4, long_tokens=96,
                     long_count=2, background=2, load_lengths=(64, 96), rates=(0.5,), load_seconds=6.0)
-    return dict(model="small-llama", budgets=(PREFILL_BUDGET, 48, 256), rounds=3, stream_prompt=100, warm_tokens=20,
+    return dict(model="small-llama", budgets=(PREFILL_BUDGET, 24, 256), rounds=3, stream_prompt=100, warm_tokens=20,
                 long_tokens=2000, long_count=2, background=4, load_lengths=(1000, 2000, 3000), rates=(0.05, 0.15),
                 load_seconds=40.0)
 

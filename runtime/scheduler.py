@@ -38,7 +38,9 @@ section, two full runs:
 Every 16 prompt tokens add ~15-20 ms to the step (weight matmuls and the chunk's attention). 32
 tokens keep a stream's p99 gap near 4x its own for ~1.1-1.2x the alternate policy's TTFT (which
 prefills both prompts side by side in 256-token steps and stalls streams ~330 ms per step): the
-default.
+default. With the KV reservation mapped at startup (runtime/runners/ort.py: first-touched pages
+had added 5-260 ms stalls), one more full run gave 32: 5.6x at 1.09x TTFT, 24: 4.8x at 1.34x
+(docs/benchmarks.md has the table): 24 trades past the TTFT bound without reaching 4x served.
 When no row decodes, prompts go in chunks of `solo_prefill_tokens`: nobody waits on the chunk.
 
 Speculation (runtime/speculation.py): in a step where every row decodes and at most

@@ -201,7 +201,7 @@ def test_custom_metrics_are_exported(triton, grpc):
     values = metrics(triton)  # at once: the model publishes before a request's last response goes out
     assert values["kvforge_finished_requests_total"] - before["kvforge_finished_requests_total"] == 1
     assert values["kvforge_generated_tokens_total"] - before["kvforge_generated_tokens_total"] == 4
-    assert {"kvforge_kv_cache_utilization", "kvforge_running_sequences", "kvforge_waiting_sequences",
+    assert {"kvforge_kv_cache_utilization", "kvforge_kv_cache_bytes_held", "kvforge_running_sequences", "kvforge_waiting_sequences",
             "kvforge_generated_tokens_total", "kvforge_steps_total", "kvforge_batched_steps_total",
             "kvforge_finished_requests_total", "kvforge_cancelled_requests_total",
             "kvforge_expired_requests_total", "kvforge_cancel_poll_seconds_total",

@@ -8,7 +8,9 @@ import triton_python_backend_utils as pb_utils
 # engine stats key -> custom metric on Triton's metrics port
 METRICS = [
     ("kv_utilization", "kvforge_kv_cache_utilization",
-     "Bytes the KV slot buffers hold over their budget kv_cache_bytes (0..1)", "GAUGE"),
+     "Bytes of the KV slot buffers' layout now over their budget kv_cache_bytes (0..1)", "GAUGE"),
+    ("kv_bytes_held", "kvforge_kv_cache_bytes_held",
+     "Bytes of KV memory the process holds: the slot reservation every layout lives in", "GAUGE"),
     ("running", "kvforge_running_sequences", "Sequences in the running batch", "GAUGE"),
     ("waiting", "kvforge_waiting_sequences", "Requests waiting for a KV slot", "GAUGE"),
     ("generated_tokens", "kvforge_generated_tokens_total", "Tokens generated", "COUNTER"),
