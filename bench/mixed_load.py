@@ -132,7 +132,13 @@ def arrivals_round(client, stream_prompt: str, long_prompts: list[str], s: dict)
     errors = [t.error for t in [stream, *longs] if t.error]
     if errors:
         raise RuntimeError(f"mixed_load: a request failed: {errors[0]}")
-    alone, during = stream.gaps(end=arrived), stream.gaps(arrived, prefilled)
+    # up to the stream's first token after the last prompt's: the gap that straddles the end of
+    # the prefill counts too (a tiny model can prefill both prompts between two stream tokens)
+    released = next((t for t, n in stream.arrivals if t >= prefilled and n), prefilled)
+    alone, during = stream.gaps(end=arrived), stream.gaps(arrived, released)
+    if not alone or not during:
+        raise RuntimeError(f"mixed_load: the stream ({stream.tokens} tokens) did not decode before and "
+                           f"while the long prompts prefilled")
     return {"itl_alone_p50_s": float(np.median(alone)), "itl_during_p99_s": float(np.percentile(during, 99)),
             "itl_during_max_s": float(max(during)), "long_ttft_s": [t.ttft for t in longs]}
 
