@@ -232,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             model_env[env.THREADS] = str(args.decode_threads or max(1, cores - prefill))
         elif args.decode_threads:
             model_env[env.THREADS] = str(args.decode_threads)
-        triton = TritonProcess(repo, args.host, args.triton_http_port or free_ports(1)[0], args.grpc_port,
+        own = (args.http_port, args.grpc_port, args.metrics_port, args.openai_port)
+        triton = TritonProcess(repo, args.host, args.triton_http_port or free_ports(1, exclude=own)[0], args.grpc_port,
                                args.metrics_port, key, log_dir / "triton.log", server_env(model_env))
         supervisor = Supervisor(triton, args.ready_timeout, log_dir)
         config = FrontConfig(triton_http=f"127.0.0.1:{triton.http_port}", triton_grpc=f"127.0.0.1:{args.grpc_port}",

@@ -77,15 +77,18 @@ def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def free_ports(count: int) -> list[int]:
-    """Loopback ports free right now (all held at once, so they differ), for tests and benchmarks."""
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+def free_ports(count: int, exclude=()) -> list[int]:
+    """Loopback ports free right now (all held at once, so they differ), none of `exclude`: ports
+    already chosen but not bound yet (a launcher's own, which the kernel may hand out again)."""
+    while True:
+        sockets = [socket.socket() for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        ports = [s.getsockname()[1] for s in sockets]
+        for s in sockets:
+            s.close()
+        if not set(ports) & set(exclude):
+            return ports
 
 
 def port_in_use(host: str, port: int) -> bool:
