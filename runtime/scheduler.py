@@ -92,6 +92,15 @@ def check_prefill_budget(budget: int) -> None:
                          f"2..{MAX_PREFILL_BUDGET}, got {budget!r}")
 
 
+def similar_spans(spans: list[int], budget: int) -> bool:
+    """Whether prompt chunks ending at these cache positions may share a step: the chunk rows'
+    queries all attend over the longest span (pack_step), so a chunk joins only while that at
+    most doubles its own, give or take one budget (fresh prompts pack together; a fresh prompt
+    waits for the step after a long one's last chunk: small-llama 4K, 2 threads, 16 tokens at
+    1,984 plus 16 fresh: 63 ms, against 35 + 25 ms as two steps and 51 ms for 32 at 1,968)."""
+    return max(spans) <= 2 * min(spans) + budget
+
+
 class Scheduler:
     """Not thread-safe: the engine serializes calls (schedule and postprocess under its lock)."""
 
@@ -252,10 +261,14 @@ class Scheduler:
             return drafted
         if not self.stall_free:
             return self._alternating_batch(pending, budget, room)
-        num_new, left = [], budget
-        for p in pending:  # prompts in row order (arrival order) share the budget; decode rows take 1
+        num_new, left, spans = [], budget, []
+        for seq, p in zip(self.running, pending):  # prompts in row order (arrival order) share the budget
             take = 1 if p == 1 else min(p, left, room)
-            left -= take if p > 1 else 0
+            if p > 1 and take > 1:
+                if spans and not similar_spans(spans + [seq.num_cached + take], budget):
+                    take = 0
+                spans += [seq.num_cached + take] if take else []
+                left -= take
             num_new.append(take)
         width = max(num_new)
         kind = "decode" if width == 1 else "mixed" if decoding else "prefill"

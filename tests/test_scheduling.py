@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from kvforge import env
+from runtime.kv.manager import KVManager
 from runtime.llm_engine import LLMEngine, SamplingParams
+from runtime.sequence import Sequence
 from runtime.runners import open_runner
 from runtime.runners.base import last_positions
 from runtime.scheduler import MAX_PREFILL_BUDGET, check_prefill_budget
@@ -48,11 +50,39 @@ def test_a_mixed_packed_step_equals_separate_steps(exports):
     assert np.abs(together - np.stack(alone)).max() < 1e-5
 
 
+@pytest.mark.parametrize("parked", [1, 2, 3])
+def test_a_decoding_row_rotates_behind_the_prompts_with_its_kv(fp32, parked):
+    """prompts_first on rows [prompt, decoding, prompt, prompt, decoding]: rows 1..3 rotate to
+    [prompt, prompt, decoding] through the spare row, which holds whichever of them has the least
+    KV (each case parks another one); every sequence's KV ends in its new row."""
+    runner = open_runner(fp32)
+    kv = KVManager(runner, slots=8, kv_cache_bytes=1 << 30, pool=None, namespace=b"")
+    kv.fit_capacity(64, 5)
+    kv._make_room(5)
+    running = []
+    for row, decoding in enumerate((False, True, False, False, True)):
+        cached = 5 if row == parked else 30 + row
+        seq = Sequence(row, list(range(3, 3 + cached + (1 if decoding else 9))), SamplingParams(), print, None,
+                       frozenset())
+        seq.num_cached = cached
+        running.append(seq)
+        for buf in runner.kv_arrays.values():
+            buf[row, :, :cached] = row + 1 + np.arange(cached)[None, :, None] / 64
+    before = {s.request_id: {name: buf[row, :, :s.num_cached].copy() for name, buf in runner.kv_arrays.items()}
+              for row, s in enumerate(running)}
+    kv.prompts_first(running)
+    assert [s.request_id for s in running] == [0, 2, 3, 1, 4]
+    for row, seq in enumerate(running):
+        for name, buf in runner.kv_arrays.items():
+            assert np.array_equal(buf[row, :, :seq.num_cached], before[seq.request_id][name]), (parked, row, name)
+
+
 class StepSpy:
     """Records, for every step, each row's pending tokens before it and the tokens it was fed."""
 
     def __init__(self, engine: LLMEngine):
         self.engine, self.steps, self.fits = engine, [], []  # fits: the capacity held every row's end
+        self.chunk_spans = []  # per step, the cache position each prompt chunk ends at
         self.step = engine.runner.step
         engine.runner.step = self
 
@@ -60,6 +90,7 @@ class StepSpy:
         running = self.engine.scheduler.running[:len(num_new)]
         pending = [s.pending for s in running]
         self.steps.append((pending, list(map(int, num_new))))
+        self.chunk_spans.append([s.num_cached + n for s, n in zip(running, num_new) if n > 1])
         self.fits.append(self.engine.runner.capacity >= max(s.num_cached + s.pending + 1 for s in running))
         return self.step(input_ids, write_positions, num_new, logit_positions)
 
@@ -102,6 +133,9 @@ def test_decoding_rows_are_in_every_step_and_prompts_always_advance(fp32):
     assert mixed >= (300 + 200) // budget  # the long prompts prefilled beside the streams
     assert stats["mixed_steps"] == mixed
     assert stats["row_moves"] >= 1  # the 300-token prompt decoded ahead of the 200-token one: moved behind it
+    # the 200-token prompt never shared a step with the 300-token one's last chunk (its queries
+    # would have attended over 300 positions)
+    assert not any(len(spans) > 1 and max(spans) > 100 for spans in spy.chunk_spans), spy.chunk_spans
     # the capacity grew at once to hold each prompt's end, not bucket by bucket as the prompt advanced
     assert all(fit for (pending, _), fit in zip(spy.steps, spy.fits) if max(pending) > 1)
 

@@ -182,8 +182,10 @@ class KVManager:
         rows 0..P-1 up to the last one feeding a prompt (runtime/runners/base.py pack_step), so a
         decoding row among them (a prompt that finished prefilling ahead of a newer one, or the
         row that filled a hole) would attend with the chunk's width over the chunk's span. Each
-        such row moves behind the last prefilling row, through a spare row (its KV copied once;
-        without room for one within the slots and the byte budget, the rows stay as they are)."""
+        such row moves behind the last prefilling row: rows decoding..last rotate by one, through a
+        spare row holding whichever of them has the least KV (every row's KV is copied once, that
+        one's twice: a prompt just begun rather than the 2K-token row that finished ahead of it).
+        Without room for a spare row within the slots and the byte budget, the rows stay as they are."""
         while True:
             decoding = next((i for i, s in enumerate(running) if s.pending == 1), None)
             last_prompt = max((i for i, s in enumerate(running) if s.pending > 1), default=-1)
@@ -193,10 +195,13 @@ class KVManager:
                     self._slot_bytes(rows, self.runner.capacity) > self.kv_cache_bytes:
                 return
             self._make_room(spare + 1)
-            self.runner.move(decoding, spare, running[decoding].num_cached)
-            for row in range(decoding + 1, last_prompt + 1):
-                self.runner.move(row, row - 1, running[row].num_cached)
-            self.runner.move(spare, last_prompt, running[decoding].num_cached)
+            parked = min(range(decoding, last_prompt + 1), key=lambda i: running[i].num_cached)
+            self.runner.move(parked, spare, running[parked].num_cached)
+            row = parked  # each row takes the KV of the one after it; the last prompt's, the decoding row's
+            while (source := row + 1 if row < last_prompt else decoding) != parked:
+                self.runner.move(source, row, running[source].num_cached)
+                row = source
+            self.runner.move(spare, row, running[parked].num_cached)
             running.insert(last_prompt, running.pop(decoding))
             self.counters["row_moves"] += 1
 
