@@ -12,8 +12,9 @@ plus prompt chunks up to the budget), each on a fresh server with the same engin
   `rounds` rounds.
 - load: `background` streams decode throughout while fresh prompts of 1K/2K/3K tokens arrive as
   a Poisson process at each rate for `load_seconds`; a long prompt meets the SLO when its TTFT
-  <= TTFT_SLO, the background streams when their ITL p99 over the run <= ITL_SLO. Goodput = long
-  prompts meeting their SLO per second, counted only in runs whose streams met theirs.
+  <= TTFT_SLO, the background streams when their ITL p99 over the run <= ITL_SLO. A run attains the SLO when
+  the streams met theirs and >= ATTAINMENT of the long prompts met theirs; goodput (DistServe) =
+  the highest rate measured whose run attained it (0: none did).
 A configuration whose run fails (a request error, a lost connection) is measured once more on a
 fresh server; the failure and the server's log tail stay in its results (`retried_after`).
 Time budget: ~15 min full (small-llama, 4K context), ~1.5 min --quick (tiny sizes).
@@ -29,6 +30,7 @@ import numpy as np
 from bench.common import Params, describe, panels, rendered, run_module, say, section_ran, skipped, table, target
 
 TTFT_SLO, ITL_SLO = 10.0, 0.150  # seconds: the SLO this machine is judged at (2 cores)
+ATTAINMENT = 0.9
 # 3 digits: a quick run's coalesced tiny-model stream has gaps of ~0.05 ms, which 1 digit made 0
 ms = dict(scale=1e3, digits=3)
 
@@ -40,7 +42,7 @@ def shape(quick: bool) -> dict:
         return dict(model=None, budgets=(PREFILL_BUDGET,), rounds=1, stream_prompt=16, warm_tokens=4, long_tokens=96,
                     long_count=2, background=2, load_lengths=(64, 96), rates=(0.5,), load_seconds=6.0)
     return dict(model="small-llama", budgets=(PREFILL_BUDGET, 24, 256), rounds=3, stream_prompt=100, warm_tokens=20,
-                long_tokens=2000, long_count=2, background=4, load_lengths=(1000, 2000, 3000), rates=(0.05, 0.15),
+                long_tokens=2000, long_count=2, background=4, load_lengths=(1000, 2000, 3000), rates=(0.05, 0.1, 0.15),
                 load_seconds=40.0)
 
 
@@ -172,7 +174,11 @@ def load_run(client, background_prompts: list[str], long_prompts: list[str], rat
     ttfts = [t.ttft for t in longs]
     met = sum(t <= TTFT_SLO for t in ttfts) if itl_p99 <= ITL_SLO else 0
     return {"rate": rate, "long_prompts": len(longs), "background_itl_p99_s": itl_p99, "long_ttft_s": ttfts,
-            "slo_met": met, "goodput_per_s": met / (ended - started)}
+            "slo_met": met, "attained": itl_p99 <= ITL_SLO and met >= ATTAINMENT * len(longs)}
+
+
+def goodput(load: list[dict]) -> float:
+    return max((x["rate"] for x in load if x["attained"]), default=0.0)
 
 
 def measured_configuration(repo, name: str, args: list[str], prompts: tuple, s: dict) -> tuple:
@@ -224,17 +230,18 @@ def run(params: Params, artifacts) -> dict:
             retried = str(e)
             runs, load, handoffs = measured_configuration(repo, name, args, prompts, s)
         results[name] = {
-            "handoffs": handoffs,
+            "handoffs": handoffs, "goodput_per_s": goodput(load),
             "itl_alone_p50_ms": describe([x["itl_alone_p50_s"] for x in runs], **ms, stats=("median",))["median"],
             "itl_during_p99_ms": describe([x["itl_during_p99_s"] for x in runs], **ms, stats=("median",))["median"],
             "itl_during_max_ms": describe([x["itl_during_max_s"] for x in runs], **ms, stats=("median",))["median"],
             "long_ttft_s": describe([t for x in runs for t in x["long_ttft_s"]], digits=2, stats=("median", "max")),
             "rounds": runs, "load": load, "args": args, "retried_after": retried}
-    return {"model": model, "shape": s, "slo": {"ttft_s": TTFT_SLO, "itl_p99_ms": ITL_SLO * 1e3},
+    return {"model": model, "shape": s, "slo": {"ttft_s": TTFT_SLO, "itl_p99_ms": ITL_SLO * 1e3, "attainment": ATTAINMENT},
             "configurations": results,
             "units": {"itl_*_ms": "ms between a stream's tokens (a coalesced response spreads its gap)",
                       "long_ttft_s": "s from sending a long prompt to its first token", "rate": "long prompts/s",
-                      "goodput_per_s": "long prompts meeting the TTFT SLO per second, in runs whose streams met theirs"},
+                      "attained": "the streams met their SLO and >= attainment of the long prompts theirs",
+                      "goodput_per_s": "the highest rate measured whose run attained the SLO (DistServe)"},
             "method": "fresh server per configuration; gRPC streams with per-response client timestamps; "
                       "prompts cut from held-out text, fresh per round (no prefix hits)"}
 
@@ -258,8 +265,8 @@ def targets(results: dict) -> list[dict]:
     before = section["configurations"]["alternate"]
     ratio = c["itl_during_p99_ms"] / c["itl_alone_p50_ms"]
     ttft = c["long_ttft_s"]["median"] / before["long_ttft_s"]["median"]
-    goodput = {n: max(x["goodput_per_s"] for x in v["load"]) for n, v in section["configurations"].items()}
-    best = max(goodput, key=goodput.get)
+    best = max(section["configurations"], key=lambda n: section["configurations"][n]["goodput_per_s"])
+    goodput = {n: section["configurations"][n]["goodput_per_s"] for n in ("alternate", best)}
     rows = [target("mixed_load: stream ITL p99 / p50 (stall-free default)", "<= 4x",
                    f"{ratio:.1f}x ({c['itl_during_p99_ms']:.1f} / {c['itl_alone_p50_ms']:.1f} ms)", ratio <= 4,
                    f"alternate: {before['itl_during_p99_ms'] / before['itl_alone_p50_ms']:.1f}x"),
@@ -268,10 +275,11 @@ def targets(results: dict) -> list[dict]:
     if goodput["alternate"] > 0:
         rows.append(target("mixed_load: goodput, best vs alternate", ">= 2x",
                            f"{goodput[best] / goodput['alternate']:.2f}x ({best})",
-                           goodput[best] >= 2 * goodput["alternate"], "long prompts meeting the SLO per second"))
+                           goodput[best] >= 2 * goodput["alternate"],
+                           f"the highest rate attaining the SLO: {goodput[best]:g} vs {goodput['alternate']:g}/s"))
     else:
         rows.append(target("mixed_load: goodput, best vs alternate", ">= 2x (alternate: 0 -> rates reported)",
-                           f"{best}: {goodput[best]:.3f}/s", None,
+                           f"{best}: {goodput[best]:g}/s", None,
                            "the alternate scheduler met the SLO at no rate measured; see the load table"))
     pd = {n: section["configurations"][n] for n in ("disaggregated", "conditional") if n in section["configurations"]}
     if pd:
@@ -318,12 +326,13 @@ def markdown(results: dict) -> list[str]:
                if any(c.get("handoffs") for c in section["configurations"].values()) else []),
              f"Poisson arrivals of {'/'.join(map(str, s['load_lengths']))}-token prompts beside {s['background']} "
              f"streams, {s['load_seconds']:.0f} s per rate; SLO TTFT <= {slo['ttft_s']:.0f} s and stream ITL p99 <= "
-             f"{slo['itl_p99_ms']:.0f} ms.", "",
-             *table(["scheduler", "rate /s", "long prompts", "stream ITL p99 ms", "TTFT median s", "met SLO",
-                     "goodput /s"],
+             f"{slo['itl_p99_ms']:.0f} ms; a run attains it when the streams met theirs and >= "
+             f"{100 * slo['attainment']:.0f}% of the long prompts theirs; goodput = the highest rate attaining it.", "",
+             *table(["scheduler", "rate /s", "long prompts", "stream ITL p99 ms", "TTFT median s", "met TTFT SLO",
+                     "attained", "goodput /s"],
                     [[n, x["rate"], x["long_prompts"], f"{x['background_itl_p99_s'] * 1e3:.0f}",
                       f"{np.median(x['long_ttft_s']):.2f}" if x["long_ttft_s"] else "-", x["slo_met"],
-                      f"{x['goodput_per_s']:.3f}"]
+                      "yes" if x["attained"] else "no", f"{c['goodput_per_s']:g}"]
                      for n, c in section["configurations"].items() for x in c["load"]])]
     return lines
 
@@ -335,9 +344,12 @@ def plot(plt, results: dict, out) -> None:
         configs = section["configurations"]
         for n, c in configs.items():
             left.scatter([c["long_ttft_s"]["median"]], [c["itl_during_p99_ms"]], label=n)
-            right.plot([x["rate"] for x in c["load"]], [x["goodput_per_s"] for x in c["load"]], marker="o", label=n)
+            right.plot([x["rate"] for x in c["load"]], [x["slo_met"] / max(x["long_prompts"], 1) for x in c["load"]],
+                       marker="o", label=f"{n} (goodput {c['goodput_per_s']:g}/s)")
         left.set(xlabel="long prompts' TTFT median (s)", ylabel="stream ITL p99 during their prefill (ms)",
                  title="Stall vs TTFT per scheduler")
-        right.set(xlabel="long-prompt arrival rate (/s)", ylabel="goodput (/s)", title="Goodput at the SLO")
+        right.axhline(ATTAINMENT, color="grey", linestyle=":")
+        right.set(xlabel="long-prompt arrival rate (/s)", ylabel="share of long prompts meeting both SLOs",
+                  title="SLO attainment (goodput: the highest rate >= the line)")
 
     panels(plt, out / "mixed_load.png", section, "mixed_load", draw)

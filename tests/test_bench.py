@@ -226,6 +226,8 @@ def test_mixed_load_structure(quick_run):
         assert c["itl_during_max_ms"] >= c["itl_during_p99_ms"] > 0 and c["itl_alone_p50_ms"] > 0
         assert [x["rate"] for x in c["load"]] == list(section["shape"]["rates"])
         assert all(0 <= x["slo_met"] <= x["long_prompts"] for x in c["load"])
+        assert all(x["slo_met"] >= 0.9 * x["long_prompts"] for x in c["load"] if x["attained"])
+        assert c["goodput_per_s"] in [0.0] + [x["rate"] for x in c["load"] if x["attained"]]
     handoffs = section["configurations"]["disaggregated"]["handoffs"]  # threshold 0: every prompt goes remote
     assert handoffs["handoffs"] == handoffs["remote"] > 0 and handoffs["failures"] == 0
     rows = [t for t in results["targets"] if t["target"].startswith("mixed_load:")]
