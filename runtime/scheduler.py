@@ -10,7 +10,8 @@ real tokens); a row samples when it has consumed all it had.
 
 Stall-free (the default; Sarathi-Serve): every step runs every decoding row (one token each)
 plus prompt chunks up to `prefill_budget` tokens, oldest prompt first, so a stream's next token
-waits for at most one budget of prompt compute and no prompt waits behind decode steps. The
+waits for at most one budget of prompt compute and no prompt waits behind decode steps (a later
+prompt's chunk shares the step only when its span is like the others': similar_spans). The
 in-place graph takes packed tokens, so mixing costs what the tokens cost. The budget trades the
 streams' inter-token latency against the long prompt's TTFT; measured with
 `python -m bench --sections mixed_load` (small-llama, 4K context, fp32, 2 threads, an otherwise

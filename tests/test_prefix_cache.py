@@ -64,6 +64,29 @@ def test_block_copies_round_trip_exactly_with_scales(exports, dtype):
     assert pool.bytes_used == 10 * spec.bytes_per_block <= pool.budget_bytes
 
 
+def test_blocks_in_scattered_pool_rows_and_per_block_lists_copy_exactly(fp32):
+    """The pool copies runs of consecutive rows at once: blocks stored between held ones, given
+    as per-block lists (a tier load) or stacked, and shared with a cached duplicate, come back
+    into a slot exactly (views per run, no staging)."""
+    runner = open_runner(fp32)
+    spec = kv_block_spec(runner.manifest)
+    runner.allocate(2, 256)
+    runner.step(np.array([DOCUMENT]), np.array([0]), np.array([len(DOCUMENT)]))
+    source = runner.read_blocks(0, 0, 10)
+    pool = HostBlockPool(spec, 40 * spec.bytes_per_block)
+    held = pool.put({n: a[:3] for n, a in source.items()}, [None] * 3)
+    pool.release(held[1:2])  # row 1 free again, between held rows 0 and 2
+    first = pool.put({n: a[:4] for n, a in source.items()}, [b"a", b"b", b"c", b"d"])
+    per_block = {n: [a[i] for i in range(3, 10)] for n, a in source.items()}
+    rest = pool.put(per_block, [b"d"] + [bytes([i]) for i in range(5)] + [None])  # b"d": a duplicate of block 3
+    blocks = first[:3] + rest
+    assert rest[0] == first[3] and [start for start, _ in pool.runs(blocks)] == [0, 1]  # rows 1, then 3..11
+    for start, views in pool.runs(blocks):
+        runner.write_blocks(1, start, views)
+    for name, buf in runner.buffers.items():
+        assert np.array_equal(buf[1, :, :len(DOCUMENT)], buf[0, :, :len(DOCUMENT)]), name
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "int8"])
 def test_prefill_after_copied_prefix_matches_full_prefill(exports, dtype):
     """Runner level: 9 blocks copied from the pool + prefill of the rest + 64 decode steps give

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 from kvforge.block_hash import block_hash, chain, placement_tags, root_hash
 from runtime.kv.block_pool import HostBlockPool
 from runtime.kv.tiers.lower import LowerTiers
@@ -262,7 +260,7 @@ class KVManager:
             tokens = len(hit) * self.block_tokens
             self.fit_capacity(tokens + 1, rows)
             self.pool.acquire(hit)
-            self.runner.write_blocks(row, 0, self.pool.get(hit))
+            self._copy_in(row, hit)
             self.counters["copy_in_seconds"] += time.perf_counter() - began
             self.counters["copy_in_blocks"] += len(hit)
             self.counters["prefix_cache_hit_tokens"] += tokens
@@ -317,8 +315,7 @@ class KVManager:
         ended = []
         for request_id, hashes, found in self.tiers.finished_loads() if self.tiers is not None else []:
             if found:
-                data = {name: np.stack([block[name] for block in found]) for name in self.pool.arrays}
-                ids = self.pool.put(data, hashes)
+                ids = self.pool.put({name: [block[name] for block in found] for name in self.pool.arrays}, hashes)
                 if request_id in self.loading_refs:
                     self.loading_refs[request_id] += ids
                 else:  # the request went on without it: the blocks stay cached for the next one
@@ -363,9 +360,13 @@ class KVManager:
     def swap_in(self, seq: Sequence, row: int, blocks: list[int], rows: int) -> None:
         """Copy a swapped-out row back into row `row` of `rows` packed rows and free its blocks."""
         self.fit_capacity(seq.num_cached + 1, rows)
-        self.runner.write_blocks(row, 0, self.pool.get(blocks))
+        self._copy_in(row, blocks)
         self.pool.release(blocks)
         self.swapped_blocks = max(0, self.swapped_blocks - len(blocks))
+
+    def _copy_in(self, row: int, blocks: list[int]) -> None:
+        for first, views in self.pool.runs(blocks):
+            self.runner.write_blocks(row, first, views)
 
     def stats(self) -> dict:
         pool = self.pool

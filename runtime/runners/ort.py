@@ -19,7 +19,7 @@ import numpy as np
 
 from kvforge import env
 from kvforge.manifest import Manifest, ManifestError, kv_buffer_shape, kv_pairs
-from runtime.runners.base import Blocks, Runner, as_blocks, as_tokens, pack_step
+from runtime.runners.base import Blocks, Runner, as_blocks, pack_step
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h
 POPULATE_CHUNK_BYTES = 64 << 20
@@ -190,10 +190,18 @@ class OrtInplaceRunner(_OrtRunner):
         return {name: as_blocks(buf[row, :, lo:hi], n, self.block.tokens) for name, buf in self.buffers.items()}
 
     def write_blocks(self, row, start, data: Blocks) -> None:
+        """Straight into the slot: the full blocks through a [heads, blocks, block_tokens, D] view of
+        it, then a partial last one (no staging copy)."""
         n = len(next(iter(data.values())))
         lo, hi = self.block_range(start, n)
+        tokens = self.block.tokens
+        full = (hi - lo) // tokens
         for name, buf in self.buffers.items():
-            buf[row, :, lo:hi] = as_tokens(data[name], hi - lo)
+            blocks = buf[row, :, lo:lo + full * tokens]
+            blocks.shape = (buf.shape[1], full, tokens, buf.shape[3])  # a view, or an error: never a copy
+            blocks[:] = data[name][:full].transpose(1, 0, 2, 3)
+            if lo + full * tokens < hi:
+                buf[row, :, lo + full * tokens:hi] = data[name][full, :, :hi - lo - full * tokens]
 
     @property
     def kv_bytes_allocated(self):
