@@ -276,10 +276,10 @@ class Scheduler:
         num_new, left, spans = [], budget, []
         for seq, p in zip(self.running, pending):  # prompts in row order (arrival order) share the budget
             take = 1 if p == 1 else min(p, left, room)
-            if p > 1 and take > 1:
-                if spans and not similar_spans(spans + [seq.num_cached + take], budget):
+            if p > 1:
+                if take > 1 and spans and not similar_spans(spans + [seq.num_cached + take], budget):
                     take = 0
-                spans += [seq.num_cached + take] if take else []
+                spans += [seq.num_cached + take] if take > 1 else []
                 left -= take
             num_new.append(take)
         width = max(num_new)

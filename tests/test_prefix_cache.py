@@ -65,9 +65,9 @@ def test_block_copies_round_trip_exactly_with_scales(exports, dtype):
 
 
 def test_blocks_in_scattered_pool_rows_and_per_block_lists_copy_exactly(fp32):
-    """The pool copies runs of consecutive rows at once: blocks stored between held ones, given
-    as per-block lists (a tier load) or stacked, and shared with a cached duplicate, come back
-    into a slot exactly (views per run, no staging)."""
+    """A prefix goes into a slot through views of runs of consecutive pool rows: blocks stored
+    between held ones, given as per-block lists (a tier load) or stacked, one shared with a cached
+    duplicate, come back exactly."""
     runner = open_runner(fp32)
     spec = kv_block_spec(runner.manifest)
     runner.allocate(2, 256)

@@ -12,10 +12,10 @@ import pytest
 from kvforge import env
 from runtime.kv.manager import KVManager
 from runtime.llm_engine import LLMEngine, SamplingParams
-from runtime.sequence import Sequence
 from runtime.runners import open_runner
 from runtime.runners.base import last_positions
 from runtime.scheduler import MAX_PREFILL_BUDGET, check_prefill_budget
+from runtime.sequence import Sequence
 from tests.test_hardening import refusal
 from launcher.tritonserver import free_ports
 

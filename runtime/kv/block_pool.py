@@ -136,4 +136,3 @@ class HostBlockPool:
         self.free.extend(self.evictable)
         self.evictable.clear()
         return dropped
-
