@@ -40,11 +40,14 @@ PREFILL_THREADS ?=
 DECODE_THREADS ?=
 # SPECULATIVE=ngram: requests verify tokens drafted from their own context (prompt lookup)
 SPECULATIVE ?=
+# SPIN_US: microseconds an idle ONNX Runtime thread spins for work before it sleeps (empty: the measured default)
+SPIN_US ?=
 KV_FLAGS = --prefix-cache $(if $(filter 0,$(PREFIX_CACHE)),off,on) $(if $(KV_HOST_BYTES),--kv-host-bytes $(KV_HOST_BYTES),) \
 	$(if $(KV_DISK_DIR),--kv-disk-dir $(KV_DISK_DIR),) $(if $(KV_DISK_BYTES),--kv-disk-bytes $(KV_DISK_BYTES),) \
 	$(if $(PREFILL_BUDGET),--prefill-budget $(PREFILL_BUDGET),) $(if $(SCHEDULER),--scheduler $(SCHEDULER),) \
 	$(if $(filter 1,$(DISAGGREGATE)),--disaggregate $(if $(PREFILL_THREADS),--prefill-threads $(PREFILL_THREADS),),) \
-	$(if $(DECODE_THREADS),--decode-threads $(DECODE_THREADS),) $(if $(SPECULATIVE),--speculative $(SPECULATIVE),)
+	$(if $(DECODE_THREADS),--decode-threads $(DECODE_THREADS),) $(if $(SPECULATIVE),--speculative $(SPECULATIVE),) \
+	$(if $(SPIN_US),--spin-us $(SPIN_US),)
 # the Redis URL may hold a password: it goes by environment, not on a command line others can list
 ifneq ($(KV_REDIS_URL),)
 export KVFORGE_KV_REDIS_URL := $(KV_REDIS_URL)

@@ -3,7 +3,7 @@
 Sections (issue 5): cache vs no cache, KV layouts, KV dtypes, peers, serving through Triton,
 roofline, prefill (issue 13), weight quantization; (issue 9) prefix caching; (issue 10) KV tiers;
 (issue 22) a fleet behind the router; (issue 20) streams beside long prompts per scheduler; (issue 21) mla;
-(issue 23) prompt-lookup speculation.
+(issue 23) prompt-lookup speculation and the idle-thread spin policy.
 Writes DIR/bench.json, DIR/bench.md and PNG plots; a section
 that fails is recorded with its error, the others still run, and the exit code is 1.
 """
@@ -22,7 +22,7 @@ from bench import common, report
 from bench.common import ROOT, Artifacts, SectionError, params, say
 
 SECTIONS = ("layouts", "cache", "kv_dtypes", "peers", "roofline", "prefill", "weights", "serving", "prefix_cache",
-            "kv_tiers", "fleet", "mixed_load", "mla", "speculative")
+            "kv_tiers", "fleet", "mixed_load", "mla", "speculative", "spin")
 
 
 def prepare(p, artifacts: Artifacts, sections: set[str]) -> None:
@@ -32,7 +32,7 @@ def prepare(p, artifacts: Artifacts, sections: set[str]) -> None:
     for model in {p.model, p.quality_model} | peer_models:
         artifacts.checkpoint(model)  # materialize presets once, before any parallel export
     jobs = []
-    if sections & {"layouts", "cache", "peers", "roofline", "weights", "serving", "prefix_cache"}:
+    if sections & {"layouts", "cache", "peers", "roofline", "weights", "serving", "prefix_cache", "spin"}:
         jobs += [(p.model, layout, "fp32") for layout in ("concat", "inplace")]
     if sections & {"kv_tiers", "fleet", "mixed_load"}:
         jobs.append((p.model, "inplace", "fp32"))

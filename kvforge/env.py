@@ -22,6 +22,7 @@ KV_REDIS_TTL = "KVFORGE_KV_REDIS_TTL"
 QUEUE_TIMEOUT = "KVFORGE_QUEUE_TIMEOUT"
 REQUEST_TIMEOUT = "KVFORGE_REQUEST_TIMEOUT"
 THREADS = "KVFORGE_THREADS"  # ONNX Runtime intra-op threads (default: every core)
+SPIN_US = "KVFORGE_SPIN_US"  # microseconds an idle intra-op thread spins for work before it sleeps (0: never)
 PREFILL_BUDGET = "KVFORGE_PREFILL_BUDGET"  # prompt tokens per step beside the decoding rows
 SCHEDULER = "KVFORGE_SCHEDULER"  # stall-free | alternate
 SCHEDULERS = ("stall-free", "alternate")
@@ -47,7 +48,8 @@ def model_environment(control_key: str, access_log: Path, prefix_cache: bool = T
                       request_timeout: float | None = None, prefill_budget: int | None = None,
                       scheduler: str | None = None, disaggregate: bool = False, prefill_threads: int | None = None,
                       pd_threshold: int | None = None, pd_transport: str | None = None,
-                      speculative: str | None = None, speculative_tokens: int | None = None) -> dict[str, str]:
+                      speculative: str | None = None, speculative_tokens: int | None = None,
+                      spin_us: int | None = None) -> dict[str, str]:
     """The variables for the llm model's process (unset options are left out; a KVFORGE_KV_REDIS_URL
     already in the launcher's environment reaches the model with the rest of it)."""
     values = {CONTROL_KEY: control_key, ACCESS_LOG: str(access_log), PREFIX_CACHE: "1" if prefix_cache else "0",
@@ -56,7 +58,7 @@ def model_environment(control_key: str, access_log: Path, prefix_cache: bool = T
               QUEUE_TIMEOUT: queue_timeout, REQUEST_TIMEOUT: request_timeout, PREFILL_BUDGET: prefill_budget,
               SCHEDULER: scheduler, DISAGGREGATE: "1" if disaggregate else None, PREFILL_THREADS: prefill_threads,
               PD_THRESHOLD: pd_threshold, PD_TRANSPORT: pd_transport, SPECULATIVE: speculative,
-              SPECULATIVE_TOKENS: speculative_tokens}
+              SPECULATIVE_TOKENS: speculative_tokens, SPIN_US: spin_us}
     return {name: str(value) for name, value in values.items() if value is not None and value != ""}
 
 
@@ -71,11 +73,8 @@ def engine_options(environ: Mapping[str, str] = os.environ) -> dict:
     options = dict(prefix_cache=enabled == "1", kv_disk_dir=environ.get(KV_DISK_DIR) or None,
                    kv_redis_url=environ.get(KV_REDIS_URL) or None, stall_free=scheduler == "stall-free")
     for key, name in WHOLE_NUMBERS.items():
-        value = environ.get(name, "")
-        if not (value.isdigit() or value == ""):
-            raise ValueError(f"{name} must be a whole number (got {value!r})")
-        if value:
-            options[key] = int(value)
+        if (value := whole_number(name, environ)) is not None:
+            options[key] = value
     if environ.get(DISAGGREGATE, "0") not in ("0", "1"):
         raise ValueError(f"{DISAGGREGATE} must be 0 or 1 (got {environ[DISAGGREGATE]!r})")
     if environ.get(DISAGGREGATE) == "1":
@@ -107,8 +106,16 @@ def seconds(name: str, environ: Mapping[str, str] = os.environ) -> float | None:
         raise ValueError(f"{name} must be a number of seconds (got {value!r})") from None
 
 
-def threads(environ: Mapping[str, str] = os.environ) -> int | None:
-    value = environ.get(THREADS, "")
+def whole_number(name: str, environ: Mapping[str, str] = os.environ) -> int | None:
+    value = environ.get(name, "")
     if not (value.isdigit() or value == ""):
-        raise ValueError(f"{THREADS} must be a whole number (got {value!r})")
-    return int(value) if value and int(value) > 0 else None
+        raise ValueError(f"{name} must be a whole number (got {value!r})")
+    return int(value) if value else None
+
+
+def threads(environ: Mapping[str, str] = os.environ) -> int | None:
+    return whole_number(THREADS, environ) or None
+
+
+def spin_us(environ: Mapping[str, str] = os.environ) -> int | None:
+    return whole_number(SPIN_US, environ)

@@ -33,6 +33,7 @@ from launcher.supervisor import DRAIN_SECONDS, Supervisor
 from launcher.tritonserver import CONTROL_KEY_HEADER, READY_TIMEOUT, ServerError, TritonProcess, free_ports, \
     port_in_use, server_env
 from runtime.disaggregation import THRESHOLD_TOKENS, TRANSPORTS
+from runtime.runners.ort import DEFAULT_SPIN_US, MAX_SPIN_US
 from runtime.scheduler import PREFILL_BUDGET, check_prefill_budget
 from runtime.speculation import MAX_DRAFT_TOKENS, Speculation
 
@@ -85,6 +86,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--prefill-threads", type=int, default=None, help="the prefill worker's threads")
     parser.add_argument("--decode-threads", type=int, default=None,
                         help="the engine's threads (default: $KVFORGE_THREADS, else every core)")
+    parser.add_argument("--spin-us", type=int, default=None,
+                        help=f"microseconds an idle ONNX Runtime thread spins for work before it sleeps (default "
+                        f"{DEFAULT_SPIN_US}; spinning speeds decode on cores the engine has to itself and slows "
+                        "clients sharing them: docs/serving.md#threads)")
     parser.add_argument("--pd-threshold", type=int, default=None,
                         help=f"uncached prompt tokens above which a prompt goes to the prefill worker "
                         f"(default {THRESHOLD_TOKENS})")
@@ -170,6 +175,8 @@ def check_config(args: argparse.Namespace) -> None:
     for flag, value in (("--prefill-threads", args.prefill_threads), ("--decode-threads", args.decode_threads)):
         if value is not None and not 1 <= value <= 256:
             raise ConfigError(f"{flag} must be in 1..256, got {value}")
+    if args.spin_us is not None and not 0 <= args.spin_us <= MAX_SPIN_US:
+        raise ConfigError(f"--spin-us must be in 0..{MAX_SPIN_US}, got {args.spin_us}")
     if args.pd_threshold is not None and args.pd_threshold < 0:
         raise ConfigError(f"--pd-threshold must be >= 0, got {args.pd_threshold}")
     if args.prefill_budget is not None:
@@ -224,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_redis_ttl=args.kv_redis_ttl, queue_timeout=args.queue_timeout, request_timeout=args.request_timeout,
             prefill_budget=args.prefill_budget, scheduler=args.scheduler, disaggregate=args.disaggregate,
             prefill_threads=args.prefill_threads, pd_threshold=args.pd_threshold, pd_transport=args.pd_transport,
-            speculative=args.speculative, speculative_tokens=args.speculative_tokens)
+            speculative=args.speculative, speculative_tokens=args.speculative_tokens, spin_us=args.spin_us)
         if args.disaggregate:  # on 2 cores, 1 + 1: the workers take turns on no core
             cores = os.cpu_count() or 2
             prefill = args.prefill_threads or max(1, cores // 2)

@@ -17,9 +17,9 @@ from tests.conftest import run_cli
 pytestmark = pytest.mark.timeout(1800)
 
 SECTIONS = ("cache_speedup", "layouts", "kv_dtypes", "peers", "serving", "roofline", "weights", "prefix_cache",
-            "kv_tiers", "fleet", "mixed_load", "mla", "speculative")
+            "kv_tiers", "fleet", "mixed_load", "mla", "speculative", "spin")
 PLOTS = ("cache.png", "layouts.png", "serving.png", "prefix_cache.png", "kv_tiers.png", "fleet.png", "mixed_load.png",
-         "mla.png", "roofline.png", "speculative.png")
+         "mla.png", "roofline.png", "speculative.png", "spin.png")
 
 
 @pytest.fixture(scope="module")
@@ -292,6 +292,20 @@ def test_speculative_structure(quick_run):
     assert section["transformers"]["identical_greedy_text"] is True
     assert sum(t["target"].startswith("Speculation") and isinstance(t["met"], bool) for t in results["targets"]) == 2
     assert "## Prompt-lookup speculation" in (out / "bench.md").read_text()
+
+
+def test_spin_structure(quick_run):
+    """Issue 23: every spin policy measured in process and served (the quick run skips aiperf, saying so)."""
+    out, results, _ = quick_run
+    section = results["spin"]
+    policies = [str(p) for p in section["shape"]["policies"]]
+    assert len(policies) >= 2 and "0" in policies
+    for by in section["in_process"].values():
+        assert list(by) == policies and all(0 < f["fastest_ms"] <= f["median_ms"] for f in by.values())
+    for by in section["served"]["grpc"].values():
+        assert list(by) == policies and all(f["tokens_per_s"] > 0 and not f["errors"] for f in by.values())
+    assert section["served"]["aiperf"] == {"skipped": "not run in --quick"}
+    assert "## Idle threads: spin or sleep" in (out / "bench.md").read_text()
 
 
 def test_plots_and_targets_table(quick_run):

@@ -24,6 +24,17 @@ from runtime.runners.base import Blocks, Runner, as_blocks, pack_step
 MADV_POPULATE_WRITE = 23  # linux/mman.h
 POPULATE_CHUNK_BYTES = 64 << 20
 
+# An idle intra-op thread spins this long for its next operator before it sleeps ($KVFORGE_SPIN_US,
+# --spin-us; 0: it sleeps at once). A wake-up per operator is what a batch-1 step waits on, and a
+# bounded spin ends when the engine goes idle. `make bench`'s spin section, small-llama, 2 threads,
+# 4 rounds taking turns (0 / 100 / 1000 us): decode step median fp32 15.8 / 14.8 / 15.0 ms, int8
+# 6.1 / 5.0 / 5.3 ms; served with kvforge's gRPC client on the same cores 64 / 68 / 66 tokens/s at
+# concurrency 1, 385 / 395 / 374 at 16; but aiperf's worker processes on the same 2 cores got
+# 47 / 41 / 29 tokens/s at concurrency 1 and 147 / 138 / 109 at 4: there a spinning thread takes
+# the CPU the client needs (--spin-us 0 then; unbounded spinning had cost it 20-34%).
+DEFAULT_SPIN_US = 100
+MAX_SPIN_US = 10_000  # ONNX Runtime warns above this: the spin then costs more CPU than a wake-up
+
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "uint8": np.uint8}
 
 
@@ -35,14 +46,11 @@ def session_options(threads: int | None = None):
     opts.intra_op_num_threads = threads or env.threads() or (os.cpu_count() or 1)
     opts.inter_op_num_threads = 1
     opts.log_severity_level = 3
-    # Idle intra-op threads sleep instead of spinning: a served engine shares its cores with
-    # tritonserver, the sender thread and often the clients, and a spinning thread takes their CPU
-    # (small-llama through Triton, 2 cores, concurrency 16: 375-387 -> 414-419 tokens/s), while
-    # alone a decode step is about as fast either way (batch 1: 14.3 vs 14.5 ms, medians of 6 x 40
-    # steps). Spinning within a run only (session.force_spinning_stop) was measured as well: batch-1
-    # decode 16.6 vs 17.3 ms and gRPC concurrency 16 +11-14% tokens/s, but aiperf beside the server,
-    # through the OpenAI front, lost 20-34% of its tokens/s at concurrency 1 and 13-18% at 4.
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    spin_us = env.spin_us()
+    spin_us = DEFAULT_SPIN_US if spin_us is None else spin_us
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin_us else "0")
+    if spin_us:
+        opts.add_session_config_entry("session.intra_op.spin_duration_us", str(spin_us))
     return opts
 
 
