@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import Params, finish_figure, rendered, run_module, say, section_ran, skipped, table, target
+from bench.common import Params, finish_figure, rendered, run_module, say, section_ran, table
 from kvforge import env
 from runtime.runners.ort import DEFAULT_SPIN_US
 
