@@ -7,7 +7,7 @@ steps in process (fp32 and int8 weights, batch 1, no other work), and served thr
 with the clients on the same cores: kvforge's gRPC client (tokens/s and inter-token p50), and,
 where it is installed, aiperf through the OpenAI-compatible API, whose worker processes are the
 heaviest client here. One server per policy, all up at once, and the policies take turns in every
-round, so drift on a shared host hits them alike. Time budget: ~10 min full, ~1 min --quick.
+round, so drift on a shared host hits them alike. Time budget: ~12 min full, ~1 min --quick.
 """
 from __future__ import annotations
 
