@@ -53,6 +53,7 @@ class KVManager:
         if tiers is not None:
             pool.on_evict = tiers.demote
         self.block_tokens = runner.block.tokens
+        self._capacities: dict[int, int] = {}  # rows -> _capacity_for(rows)
         self.bytes_per_token = runner.manifest.kv_bytes_per_token
         self.in_flight: dict[bytes, int] = {}  # block hash -> request id of the running sequence computing it
         self.counters = dict(prefix_cache_queried_tokens=0, prefix_cache_hit_tokens=0, copy_in_blocks=0,
@@ -120,11 +121,19 @@ class KVManager:
         """The widest next step for `running`: a step writes a window of its width into every row
         (the in-place scatter), so every row's cache plus the width must fit the largest capacity
         whose buffers stay within kv_cache_bytes (and max_seq_len). At least 1: fits() holds."""
-        lo, hi, n = 1, self.runner.manifest.max_seq_len, len(running)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if self._slot_bytes(self._rows_for(n, mid), mid) <= self.kv_cache_bytes else (lo, mid - 1)
-        return max(1, lo - max(s.num_cached for s in running))
+        return max(1, self._capacity_for(len(running)) - max(s.num_cached for s in running))
+
+    def _capacity_for(self, rows: int) -> int:
+        """The largest capacity whose buffers for `rows` rows stay within kv_cache_bytes (and
+        max_seq_len): a binary search over the buckets, kept per row count (it runs every step)."""
+        if rows not in self._capacities:
+            lo, hi = 1, self.runner.manifest.max_seq_len
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                fits = self._slot_bytes(self._rows_for(rows, mid), mid) <= self.kv_cache_bytes
+                lo, hi = (mid, hi) if fits else (lo, mid - 1)
+            self._capacities[rows] = lo
+        return self._capacities[rows]
 
     def fit_capacity(self, tokens: int, rows: int, ahead: int = 0) -> None:
         """A capacity holding `tokens` for packed rows 0..rows-1. Growing drops spare rows too:
