@@ -3,7 +3,7 @@
     python -m launcher.fleet --replicas N [--repo model_repository] [--host H --router-port 8080]
                              [--policy kv|round-robin|affinity]
                              [--log-dir build/logs] [--prefix-cache on|off] [--kv-host-bytes TOTAL]
-                             [--kv-disk-dir DIR --kv-disk-bytes TOTAL]
+                             [--kv-disk-dir DIR --kv-disk-bytes TOTAL] [ENGINE FLAGS]
 
 Replica i (1..N, N <= 7) is one launcher (`python -m launcher`, a child process) on 127.0.0.1 at
 the default ports + 10*i: front 8000+10i, gRPC 8001+10i, metrics 8002+10i, OpenAI API 9000+10i,
@@ -11,8 +11,10 @@ so none reaches the router's 8080. Only the router binds --host. Every port is c
 before anything starts. The host's resources are split, not multiplied: each replica gets
 cores/N ONNX Runtime threads ($KVFORGE_THREADS), TOTAL/N of the KV RAM pool and of the disk
 budget, and its own LOG_DIR/replica-i and KV_DISK_DIR/replica-i; $KVFORGE_KV_REDIS_URL (one Redis
-they share) and the control key reach every replica by environment. Ctrl-C or SIGTERM stops the
-router, then every replica (each drains first).
+they share) and the control key reach every replica by environment. Any other flag is the
+launcher's (`--prefill-budget`, `--scheduler`, `--disaggregate`, `--speculative`, `--spin-us`, ...:
+what `make fleet` passes as KV_FLAGS), checked as the launcher checks it before anything starts,
+and given to every replica. Ctrl-C or SIGTERM stops the router, then every replica (each drains first).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from pathlib import Path
 from frontend import router
 from kvforge import env
 from kvforge.cli import fail_cleanly
+from launcher import __main__ as launcher_cli
 from launcher.harness import TritonServer
 from launcher.keys import DEFAULT_KEY_FILE, control_key
 from launcher.tritonserver import ServerError, port_in_use
@@ -34,6 +37,9 @@ from runtime.kv.block_pool import default_kv_host_bytes
 MAX_REPLICAS = 7  # replica 8 would put its front on 8080, the router's port
 PORT_STEP = 10
 HTTP, GRPC, METRICS, OPENAI = 8000, 8001, 8002, 9000  # `make serve`'s ports; replica i adds 10*i
+# launcher flags the fleet sets per replica itself: one value for every replica would collide or split nothing
+PER_REPLICA_FLAGS = ("--http-port", "--grpc-port", "--metrics-port", "--openai-port", "--triton-http-port",
+                     "--control-key-file")
 
 
 class FleetError(ValueError):
@@ -60,7 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(default: a quarter of RAM, at most 8 GiB, split evenly)")
     parser.add_argument("--kv-disk-dir", type=Path, help="replica i's disk KV tier in DIR/replica-i (default: off)")
     parser.add_argument("--kv-disk-bytes", type=int, help="the disk tiers' total, split evenly (default: 8 GiB each)")
-    return parser.parse_args(argv)
+    args, args.engine_flags = parser.parse_known_args(argv)
+    return args
 
 
 def check(args: argparse.Namespace) -> None:
@@ -79,17 +86,28 @@ def check(args: argparse.Namespace) -> None:
     for flag in ("kv_host_bytes", "kv_disk_bytes"):
         if getattr(args, flag) is not None and getattr(args, flag) < args.replicas:
             raise FleetError(f"--{flag.replace('_', '-')} must be at least --replicas bytes")
+    for flag in args.engine_flags:
+        if flag.split("=")[0] in PER_REPLICA_FLAGS:
+            raise FleetError(f"{flag.split('=')[0]} is set per replica by the fleet (the default ports + 10*i)")
+    # replica 1's own command line, checked as its launcher will check it (the ports are free: above)
+    replica_args = ["--repo", str(args.repo), "--log-dir", str(args.log_dir / "replica-1"),
+                    *[arg for flag, port in replica_ports(1).items() for arg in (f"--{flag.replace('_', '-')}", str(port))],
+                    *launcher_flags(args, 1)]
+    try:
+        launcher_cli.check_config(launcher_cli.parse_args(replica_args))
+    except launcher_cli.ConfigError as e:
+        raise FleetError(str(e)) from None
 
 
 def launcher_flags(args: argparse.Namespace, i: int) -> list[str]:
-    """Replica i's share: its pool bytes, its disk directory and bytes."""
+    """Replica i's share (its pool bytes, its disk directory and bytes), then the engine flags every replica takes."""
     host_bytes = (args.kv_host_bytes or default_kv_host_bytes()) // args.replicas
     flags = ["--prefix-cache", args.prefix_cache, "--kv-host-bytes", str(host_bytes)]
     if args.kv_disk_dir:
         flags += ["--kv-disk-dir", str(args.kv_disk_dir / f"replica-{i}")]
     if args.kv_disk_bytes:
         flags += ["--kv-disk-bytes", str(args.kv_disk_bytes // args.replicas)]
-    return flags
+    return flags + args.engine_flags
 
 
 def main(argv: list[str] | None = None) -> int:
