@@ -89,12 +89,12 @@ def check(args: argparse.Namespace) -> None:
     for flag in args.engine_flags:
         if flag.split("=")[0] in PER_REPLICA_FLAGS:
             raise FleetError(f"{flag.split('=')[0]} is set per replica by the fleet (the default ports + 10*i)")
-    # replica 1's own command line, checked as its launcher will check it (the ports are free: above)
-    replica_args = ["--repo", str(args.repo), "--log-dir", str(args.log_dir / "replica-1"),
-                    *[arg for flag, port in replica_ports(1).items() for arg in (f"--{flag.replace('_', '-')}", str(port))],
-                    *launcher_flags(args, 1)]
+
+
+def check_replica(replica: TritonServer) -> None:
+    """A replica's command line, checked as its launcher will check it, before any replica starts."""
     try:
-        launcher_cli.check_config(launcher_cli.parse_args(replica_args))
+        launcher_cli.check_config(launcher_cli.parse_args(replica.launcher_args()))
     except launcher_cli.ConfigError as e:
         raise FleetError(str(e)) from None
 
@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                                  ready_timeout=args.ready_timeout, extra_args=launcher_flags(args, i),
                                  control_key=key)
                     for i in range(1, args.replicas + 1)]
+        check_replica(replicas[0])  # the engine flags are every replica's; the ports were checked free above
         # SIGTERM while the replicas start: stop what was started (the router then handles its own)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         try:

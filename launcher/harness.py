@@ -76,16 +76,19 @@ class TritonServer:
     def launcher_log(self) -> Path:
         return self.log_dir / "launcher.log"
 
+    def launcher_args(self) -> list[str]:
+        """The launcher's command line, after `python -m launcher`."""
+        return ["--repo", str(self.repo), "--host", self.host, "--http-port", str(self.http_port),
+                "--grpc-port", str(self.grpc_port), "--metrics-port", str(self.metrics_port),
+                "--ready-timeout", str(self.ready_timeout), *(["--log-dir", str(self.log_dir)] if self.log_dir else []),
+                *(["--openai-port", str(self.openai_port)] if self.openai_port else []), *self.extra_args]
+
     def start(self) -> "TritonServer":
         if self.log_dir is None:
             self._tmp = Path(tempfile.mkdtemp(prefix="kvforge-server-"))
             self.log_dir = self._tmp
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [*self.launcher_prefix, sys.executable, "-m", "launcher", "--repo", str(self.repo), "--host", self.host,
-               "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
-               "--metrics-port", str(self.metrics_port), "--ready-timeout", str(self.ready_timeout),
-               "--log-dir", str(self.log_dir),
-               *(["--openai-port", str(self.openai_port)] if self.openai_port else []), *self.extra_args]
+        cmd = [*self.launcher_prefix, sys.executable, "-m", "launcher", *self.launcher_args()]
         with open(self.launcher_log, "ab") as log:
             # SIGKILLed when the starting thread goes (its tritonserver follows: PDEATHSIG there too)
             self.process = subprocess.Popen(dying_with_parent(cmd), stdout=log, stderr=subprocess.STDOUT,
