@@ -327,7 +327,10 @@ class Scheduler:
     def measured(self, batch: Batch, seconds: float) -> None:
         """How long the runner took for `batch`: steps with prompt chunks give the rate that tells
         loading a prefix from disk / Redis from recomputing it (a mixed step's decode rows make it
-        slightly pessimistic: loads are then tried a little longer)."""
+        slightly pessimistic: loads are then tried a little longer). A decode step has no prompt
+        chunk, even when its rows verify drafted tokens."""
+        if batch.kind == "decode":
+            return
         chunks = batch.num_new[batch.num_new > 1]
         if len(chunks):
             rate = int(chunks.sum()) / max(seconds, 1e-6)
