@@ -231,7 +231,7 @@ def flush(redis_ports: list[int]) -> None:
 
 def cluster_ports(count: int) -> list[int]:
     """`count` ports whose cluster bus (port + 10000) is free too, all <= 55535."""
-    from launcher.tritonserver import port_in_use
+    from kvforge.net import port_in_use
 
     ports, port = [], 21000
     while len(ports) < count:

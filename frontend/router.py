@@ -65,10 +65,9 @@ from kvforge import env
 from kvforge.block_hash import chain
 from kvforge.cli import fail_cleanly
 from kvforge.errors import INTERNAL, UNAVAILABLE
+from kvforge.limits import DRAIN_SECONDS
 from kvforge.manifest import KV_BLOCK_TOKENS, cache_namespace, kv_block_spec
-from launcher.__main__ import is_loopback
-from launcher.supervisor import DRAIN_SECONDS
-from launcher.tritonserver import CONTROL_KEY_HEADER, port_in_use
+from kvforge.net import CONTROL_KEY_HEADER, is_loopback, port_in_use
 from runtime.scheduler import PREFILL_BUDGET
 
 DEFAULT_PORT = 8080

@@ -17,6 +17,7 @@ SCORE_LOGITS_BYTES = 256 << 20
 # Prompt text is refused before tokenizing when it is longer than this many characters per
 # context token (no tokenizer packs more), so a huge body cannot tie up the tokenizer.
 MAX_CHARS_PER_TOKEN = 32
+DRAIN_SECONDS = 30.0  # on SIGTERM, how long in-flight requests may take to finish (default)
 
 
 @dataclass(frozen=True)

@@ -28,10 +28,11 @@ from frontend.config import DEFAULT_MAX_BODY_BYTES, FrontConfig
 from frontend.server import serve
 from kvforge import env
 from kvforge.cli import fail_cleanly
+from kvforge.limits import DRAIN_SECONDS
+from kvforge.net import CONTROL_KEY_HEADER, is_loopback, port_in_use
 from launcher.keys import DEFAULT_KEY_FILE, control_key
-from launcher.supervisor import DRAIN_SECONDS, Supervisor
-from launcher.tritonserver import CONTROL_KEY_HEADER, READY_TIMEOUT, ServerError, TritonProcess, free_ports, \
-    port_in_use, server_env
+from launcher.supervisor import Supervisor
+from launcher.tritonserver import READY_TIMEOUT, ServerError, TritonProcess, free_ports, server_env
 from runtime.disaggregation import THRESHOLD_TOKENS, TRANSPORTS
 from runtime.runners.ort import DEFAULT_SPIN_US, MAX_SPIN_US
 from runtime.scheduler import PREFILL_BUDGET, check_prefill_budget
@@ -44,10 +45,6 @@ TLS_OPTIONS = {"ssl_cert_reqs": ("none", "optional", "required"), "ssl_ca_certs"
 
 class ConfigError(ValueError):
     """A setting the launcher refuses before it starts anything."""
-
-
-def is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

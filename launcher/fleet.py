@@ -28,10 +28,11 @@ from pathlib import Path
 from frontend import router
 from kvforge import env
 from kvforge.cli import fail_cleanly
+from kvforge.net import port_in_use
 from launcher import __main__ as launcher_cli
 from launcher.harness import TritonServer
 from launcher.keys import DEFAULT_KEY_FILE, control_key
-from launcher.tritonserver import ServerError, port_in_use
+from launcher.tritonserver import ServerError
 from runtime.kv.block_pool import default_kv_host_bytes
 
 MAX_REPLICAS = 7  # replica 8 would put its front on 8080, the router's port

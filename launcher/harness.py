@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from kvforge import env
-from launcher.supervisor import DRAIN_SECONDS
+from kvforge.limits import DRAIN_SECONDS
 from launcher.tritonserver import LOG_TAIL_LINES, READY_TIMEOUT, STOP_TIMEOUT, free_ports, http_ready, wait_ready
 
 __all__ = ["TritonServer", "dying_with_parent", "free_ports"]

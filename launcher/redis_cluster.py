@@ -23,7 +23,7 @@ from pathlib import Path
 from kvforge.cli import fail_cleanly
 from launcher.harness import dying_with_parent
 from launcher.redis_server import redis_server_binary
-from launcher.tritonserver import port_in_use
+from kvforge.net import port_in_use
 
 READY_TIMEOUT = 30.0
 NODE_TIMEOUT_MS = 2000  # how long a primary may be unreachable before its replica takes over

@@ -15,7 +15,6 @@ PROBE_FAILURES = 3  # consecutive failed probes that count as a hung server
 # A model reloaded or unloaded by the key holder replaces or ends its stub: a stub missing this
 # long is checked against the models Triton has ready before it counts as dead.
 STUB_GRACE_SECONDS = 0.5
-DRAIN_SECONDS = 30.0  # on SIGTERM, how long in-flight requests may take to finish (default)
 
 
 def event(log_dir: Path | None, what: str, **fields) -> None:

@@ -23,13 +23,14 @@ import urllib.request
 from pathlib import Path
 from typing import Callable
 
+from kvforge.net import CONTROL_KEY_HEADER, port_in_use
+
 READY_TIMEOUT = 120.0
 STOP_TIMEOUT = 15.0
 LOG_TAIL_LINES = 15
 # Triton APIs only the key holder may use; health, metadata, model config, statistics and
 # inference stay open. Loading a model runs its code, so model-repository must stay closed.
 RESTRICTED_APIS = "model-repository,logging,trace,shared-memory"
-CONTROL_KEY_HEADER = "kvforge-key"
 STUB_NAME = "triton_python_backend_stub"
 STUB_INSTANCE_ARG = 8  # the python backend starts a stub as: stub model.py shm ... instance_name ...
 
@@ -89,16 +90,6 @@ def free_ports(count: int, exclude=()) -> list[int]:
             s.close()
         if not set(ports) & set(exclude):
             return ports
-
-
-def port_in_use(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is no conflict
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-    return False
 
 
 def http_ready(address: str, timeout: float, probe: str = "ready") -> bool:
