@@ -86,7 +86,7 @@ from kvforge.errors import QueueFullError
 from runtime.kv.manager import KVManager
 from runtime.runners.base import Batch
 from runtime.sequence import RequestOutput, Sequence, Status
-from runtime.speculation import Speculation, next_limit, pause_after
+from runtime.speculation import Speculation, continuations, draft_length, pause_after
 
 MIX_PADDING_TOKENS = 16
 PREFILL_BUDGET = 32
@@ -363,7 +363,9 @@ class Scheduler:
         proposed = int(batch.drafts[row])
         out, accepted = seq.verify(logits, batch.input_ids[row, 1:1 + proposed].tolist())
         self.kv.store(seq, row)
-        seq.draft_limit = next_limit(seq.draft_limit, proposed, accepted, self.speculation.max_draft_tokens)
+        held, tried = continuations(proposed, accepted)
+        seq.draft_continued, seq.draft_tried = seq.draft_continued + held, seq.draft_tried + tried
+        seq.draft_limit = draft_length(seq.draft_continued, seq.draft_tried, self.speculation.max_draft_tokens)
         seq.draft_misses = 0 if accepted else seq.draft_misses + 1
         seq.draft_resumes = seq.num_output + pause_after(seq.draft_misses)
         c = self.counters

@@ -73,6 +73,8 @@ class Sequence:
     deadline: float | None = None  # perf_counter time by which it must have finished
     ngrams: NgramIndex | None = None  # set when decoding steps may verify drafted tokens (runtime/speculation.py)
     draft_limit: int = 0  # how many tokens its next draft may hold
+    draft_continued: int = 0  # drafted tokens after a held one that held (runtime/speculation.draft_length)
+    draft_tried: int = 0  # drafted tokens verified after a held one
     draft_misses: int = 0  # its drafts in a row that failed outright
     draft_resumes: int = 0  # the output length from which it drafts again
 

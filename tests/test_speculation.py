@@ -15,7 +15,7 @@ from kvforge.errors import RequestError
 from runtime.llm_engine import LLMEngine, SamplingParams
 from runtime.runners.base import Batch
 from runtime.speculation import (FIRST_PAUSE_TOKENS, MAX_PAUSE_TOKENS, MISSES_BEFORE_PAUSE, NgramIndex, Speculation,
-                                 next_limit, pause_after)
+                                 continuations, draft_length, pause_after)
 from tests.test_hardening import refusal
 from tests.waiting import wait_for
 from launcher.tritonserver import free_ports
@@ -49,9 +49,13 @@ def test_propose_continues_the_most_recent_occurrence_of_the_longest_tail():
     grown = NgramIndex()
     for end in range(2, 41):
         assert grown.propose(tokens[:end], 3) == NgramIndex().propose(tokens[:end], 3)
-    assert next_limit(4, proposed=4, accepted=4, max_draft_tokens=4) == 4
-    assert next_limit(2, proposed=2, accepted=2, max_draft_tokens=4) == 3
-    assert next_limit(4, proposed=3, accepted=0, max_draft_tokens=4) == 1
+    assert continuations(proposed=4, accepted=4) == (3, 3) and continuations(proposed=4, accepted=2) == (1, 2)
+    assert continuations(proposed=3, accepted=0) == (0, 0) and continuations(proposed=1, accepted=1) == (0, 0)
+    assert draft_length(0, 0, max_draft_tokens=4) == 4  # no history: the maximum
+    assert draft_length(0, 0, max_draft_tokens=16) == 4  # 0.5 ** 3 >= MIN_REACH > 0.5 ** 4
+    assert draft_length(90, 100, max_draft_tokens=16) == 16  # runs that hold: long drafts
+    assert draft_length(0, 30, max_draft_tokens=4) == 1  # second tokens never hold: only the first
+    assert draft_length(30, 100, max_draft_tokens=4) == 2
     assert pause_after(MISSES_BEFORE_PAUSE - 1) == 0 and pause_after(MISSES_BEFORE_PAUSE) == FIRST_PAUSE_TOKENS
     assert pause_after(MISSES_BEFORE_PAUSE + 1) == 2 * FIRST_PAUSE_TOKENS and pause_after(100) == MAX_PAUSE_TOKENS
 
