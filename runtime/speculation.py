@@ -15,9 +15,9 @@ while it equals that choice: greedy and seeded outputs are those without specula
 the batch around them; a sampled draft holds with the probability the sampler gives it. The
 draft length adapts to each row's acceptance: how often a drafted token held once the one before
 it had (drafts hold or fail in runs, so one miss says little about the next draft); a row whose
-drafts keep failing outright pauses drafting for exponentially longer; speculation stops when more than `max_rows`
-rows decode together (the batch already reads each weight for many tokens) or when a step
-carries prompt chunks.
+drafts keep failing outright pauses drafting for exponentially longer; speculation stops when
+more than `max_rows` rows decode together (the batch already reads each weight for many tokens)
+or when a step carries prompt chunks.
 """
 from __future__ import annotations
 
@@ -87,7 +87,8 @@ class NgramIndex:
 def draft_length(continued: int, tried: int, max_draft_tokens: int) -> int:
     """A row's next draft length: the first drafted token, then as many more as each have a chance
     >= MIN_REACH of being reached and held, given that `continued` of the `tried` drafted tokens
-    that followed a held one held too (with one of each assumed: a fresh row drafts the maximum)."""
+    that followed a held one held too (one held and one failed assumed: without history, a chance
+    of 0.5 each, 4 tokens)."""
     held = (continued + 1) / (tried + 2)
     return max(1, min(max_draft_tokens, 1 + int(math.log(MIN_REACH) / math.log(held))))
 
