@@ -19,6 +19,7 @@ import numpy as np
 
 from bench.common import Params, decode_steps, finish_figure, rendered, say, section_ran, skipped, table, target
 from kvforge.manifest import kv_bytes
+from kvforge.onnx_graphs import all_nodes
 
 STREAM_BYTES = 256 << 20  # far beyond any cache level, so it measures DRAM
 STREAMS_PER_ROUND = 8  # best of: other processes only ever slow a stream down
@@ -81,15 +82,6 @@ def initializer_bytes(tensor) -> int:
     return elements * helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
 
 
-def graph_nodes(graph):
-    """Every node of a graph, those inside If / Loop bodies included."""
-    for node in graph.node:
-        yield node
-        for attribute in node.attribute:
-            for sub in [attribute.g] if attribute.HasField("g") else attribute.graphs:
-                yield from graph_nodes(sub)
-
-
 def step_weight_bytes(model_path: Path, rows: int) -> dict:
     """Weight bytes one decode step of `rows` sequences reads, summed over the engine's own ONNX
     initializers: each is read whole, except one that only Gather nodes read as their data (the
@@ -98,7 +90,7 @@ def step_weight_bytes(model_path: Path, rows: int) -> dict:
 
     graph = onnx.load(str(model_path), load_external_data=False).graph
     readers: dict[str, set] = {}
-    for node in graph_nodes(graph):
+    for node in all_nodes(graph):
         for index, name in enumerate(node.input):
             readers.setdefault(name, set()).add((node.op_type, index))
     whole, gathered = 0, 0

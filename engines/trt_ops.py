@@ -22,6 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 from kvforge.manifest import ManifestError
+from kvforge.onnx_graphs import all_nodes, subgraphs
 
 TARGETS = ("10.13", "10.14", "10.15", "11.0")
 DEFAULT_TARGET = TARGETS[-1]
@@ -61,20 +62,11 @@ WHY_TYPE = {"INT8": "a quantized type, reached only through QuantizeLinear/Dequa
             "UINT8": "UINT8 is only supported as network input or output"}
 
 
-def _graphs(graph):
-    """A graph and every subgraph of its nodes (the If branches of the export), depth first."""
-    yield graph
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.HasField("g"):
-                yield from _graphs(attribute.g)
-
-
 def _elem_types(model) -> dict[str, str]:
     import onnx
 
     types = {}
-    for graph in _graphs(model.graph):
+    for graph in subgraphs(model.graph):
         types.update({v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.output, *graph.value_info)})
         types.update({t.name: t.data_type for t in graph.initializer})
     names = {name: onnx.TensorProto.DataType.Name(t) for name, t in types.items() if t}  # 0: not inferred
@@ -115,7 +107,7 @@ def unsupported_ops(onnx_path: Path, target: str = DEFAULT_TARGET) -> list[str]:
     graph_inputs = {v.name for v in model.graph.input}
     graph_outputs = {v.name for v in model.graph.output}
     problems: Counter = Counter()
-    for node in (node for graph in _graphs(model.graph) for node in graph.node):
+    for node in all_nodes(model.graph):
         op = node.op_type
         if node.domain not in ("", "ai.onnx"):
             problems[op, f"custom domain {node.domain}: needs a TensorRT plugin"] += 1

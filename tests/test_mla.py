@@ -10,6 +10,7 @@ import pytest
 
 from kvforge.manifest import (Manifest, ManifestError, ModelSpec, io_tensors, kv_block_spec, kv_bytes_per_token,
                               kv_pairs)
+from kvforge.onnx_graphs import all_nodes
 
 VOCAB = 512
 STEPS = 64  # greedy tokens checked per row
@@ -130,7 +131,7 @@ def test_manifest_fields_and_latent_tensors(mla_exports):
     model = onnx.load(str(directory / "model.onnx"))
     inputs = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
     assert inputs["past_key_values.0.latent"] == ["batch", 1, "capacity", 40]
-    nodes = list(graph_nodes(model.graph))
+    nodes = list(all_nodes(model.graph))
     ops = [n.op_type for n in nodes]
     assert ops.count("TensorScatter") == 2 and ops.count("If") == 2  # one latent per layer, one If on the chunk width
     assert ops.count("Attention") == 6  # per layer the decode query's, and the chunk's two in the If's branches
@@ -144,19 +145,10 @@ def test_manifest_fields_and_latent_tensors(mla_exports):
 def test_every_latent_export_uses_standard_ops_only(mla_exports, variant, layout, dtype):
     """No contrib kernels in any layout or KV dtype: the graph runs on any ONNX runtime."""
     model = onnx.load(str(mla_exports(variant, layout, dtype) / "model.onnx"))
-    nodes = list(graph_nodes(model.graph))
+    nodes = list(all_nodes(model.graph))
     assert {"past_key_values.1.latent", "present.1.latent"} <= {t.name for t in [*model.graph.input, *model.graph.output]}
     assert {n.domain for n in nodes} <= {"", "ai.onnx"}
     assert all(o.domain in ("", "ai.onnx") for o in model.opset_import)
-
-
-def graph_nodes(graph):
-    """Every node of an ONNX graph, the If branches' subgraphs included."""
-    for node in graph.node:
-        yield node
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                yield from graph_nodes(attribute.g)
 
 
 def test_absorbed_and_decompressed_steps_agree(mla_exports):
