@@ -31,7 +31,11 @@ KV_DISK_BYTES ?=
 KV_REDIS_URL ?=
 REDIS_PORT ?= 6379
 REDIS_MAXMEMORY ?= 1gb
-# the engine's scheduler (empty: stall-free with the measured budget; runtime/scheduler.py)
+# the engine's scheduler (empty: stall-free, prompt tokens per step from the ITL target; runtime/scheduler.py):
+# ITL_TARGET_STEPS = the step length prompts may fill beside decoding rows, in measured decode steps (empty: 1.5),
+# ITL_TARGET_MS = the same in ms; PREFILL_BUDGET = a fixed number of prompt tokens per step instead
+ITL_TARGET_STEPS ?=
+ITL_TARGET_MS ?=
 PREFILL_BUDGET ?=
 SCHEDULER ?=
 # DISAGGREGATE=1: a prefill worker process beside the decode engine (docs/serving.md), each with its threads
@@ -44,7 +48,8 @@ SPECULATIVE ?=
 SPIN_US ?=
 KV_FLAGS = --prefix-cache $(if $(filter 0,$(PREFIX_CACHE)),off,on) $(if $(KV_HOST_BYTES),--kv-host-bytes $(KV_HOST_BYTES),) \
 	$(if $(KV_DISK_DIR),--kv-disk-dir $(KV_DISK_DIR),) $(if $(KV_DISK_BYTES),--kv-disk-bytes $(KV_DISK_BYTES),) \
-	$(if $(PREFILL_BUDGET),--prefill-budget $(PREFILL_BUDGET),) $(if $(SCHEDULER),--scheduler $(SCHEDULER),) \
+	$(if $(PREFILL_BUDGET),--prefill-budget $(PREFILL_BUDGET),) $(if $(ITL_TARGET_MS),--itl-target-ms $(ITL_TARGET_MS),) \
+	$(if $(ITL_TARGET_STEPS),--itl-target-steps $(ITL_TARGET_STEPS),) $(if $(SCHEDULER),--scheduler $(SCHEDULER),) \
 	$(if $(filter 1,$(DISAGGREGATE)),--disaggregate $(if $(PREFILL_THREADS),--prefill-threads $(PREFILL_THREADS),),) \
 	$(if $(DECODE_THREADS),--decode-threads $(DECODE_THREADS),) $(if $(SPECULATIVE),--speculative $(SPECULATIVE),) \
 	$(if $(SPIN_US),--spin-us $(SPIN_US),)

@@ -462,10 +462,14 @@ def create_openai_app(config: FrontConfig) -> FastAPI:
         if not prompts or len(prompts) > MAX_PROMPTS:
             raise APIError(400, f"send 1..{MAX_PROMPTS} prompts, got {len(prompts)}", param="prompt")
         logprobs = body.logprobs is not None
-        choices = [Choice(p * body.n + j, p, llm_inputs(prompt, body, server.max_tokens(prompt, body.max_tokens),
-                                                        seed_of(body, j), body.echo, logprobs))
-                   for p, prompt in enumerate(prompts) for j in range(body.n)]
-        return await Completion(server, "text", body, choices, logprobs).respond(request)
+
+        def choices() -> list[Choice]:
+            return [Choice(p * body.n + j, p, llm_inputs(prompt, body, server.max_tokens(prompt, body.max_tokens),
+                                                         seed_of(body, j), body.echo, logprobs))
+                    for p, prompt in enumerate(prompts) for j in range(body.n)]
+
+        # tokenizing a long prompt is off the event loop, which relays every other stream's tokens
+        return await Completion(server, "text", body, await asyncio.to_thread(choices), logprobs).respond(request)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize), Depends(unicode_body)])
     async def chat_completions(body: ChatRequest, request: Request):
@@ -474,11 +478,15 @@ def create_openai_app(config: FrontConfig) -> FastAPI:
         if body.max_tokens is not None and body.max_completion_tokens is not None \
                 and body.max_tokens != body.max_completion_tokens:
             raise APIError(400, "max_tokens and max_completion_tokens differ; send one", param="max_completion_tokens")
-        prompt = server.chat_prompt(body)
-        max_tokens = server.max_tokens(prompt, body.max_completion_tokens or body.max_tokens)
-        choices = [Choice(j, 0, llm_inputs(prompt, body, max_tokens, seed_of(body, j), False, body.logprobs))
-                   for j in range(body.n)]
-        return await Completion(server, "chat", body, choices, body.logprobs).respond(request)
+
+        def choices() -> list[Choice]:
+            prompt = server.chat_prompt(body)
+            max_tokens = server.max_tokens(prompt, body.max_completion_tokens or body.max_tokens)
+            return [Choice(j, 0, llm_inputs(prompt, body, max_tokens, seed_of(body, j), False, body.logprobs))
+                    for j in range(body.n)]
+
+        # rendering the template and tokenizing are off the event loop, which relays every other stream's tokens
+        return await Completion(server, "chat", body, await asyncio.to_thread(choices), body.logprobs).respond(request)
 
     return app
 

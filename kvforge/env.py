@@ -23,7 +23,9 @@ QUEUE_TIMEOUT = "KVFORGE_QUEUE_TIMEOUT"
 REQUEST_TIMEOUT = "KVFORGE_REQUEST_TIMEOUT"
 THREADS = "KVFORGE_THREADS"  # ONNX Runtime intra-op threads (default: every core)
 SPIN_US = "KVFORGE_SPIN_US"  # microseconds an idle intra-op thread spins for work before it sleeps (0: never)
-PREFILL_BUDGET = "KVFORGE_PREFILL_BUDGET"  # prompt tokens per step beside the decoding rows
+PREFILL_BUDGET = "KVFORGE_PREFILL_BUDGET"  # a fixed number of prompt tokens per step beside the decoding rows
+ITL_TARGET_MS = "KVFORGE_ITL_TARGET_MS"  # the step length the prompt budget keeps beside decoding rows
+ITL_TARGET_STEPS = "KVFORGE_ITL_TARGET_STEPS"  # the same in measured decode steps
 SCHEDULER = "KVFORGE_SCHEDULER"  # stall-free | alternate
 SCHEDULERS = ("stall-free", "alternate")
 DISAGGREGATE = "KVFORGE_DISAGGREGATE"  # 0 | 1: a prefill worker process beside the decode engine
@@ -34,6 +36,7 @@ PD_AUTHKEY = "KVFORGE_PD_AUTHKEY"  # the prefill worker's connection key, from t
 SPECULATIVE = "KVFORGE_SPECULATIVE"  # off | ngram: requests verify tokens drafted from their context
 SPECULATIVE_METHODS = ("off", "ngram")
 SPECULATIVE_TOKENS = "KVFORGE_SPECULATIVE_TOKENS"  # the most tokens a draft holds
+TOKEN_TRACE = "KVFORGE_TOKEN_TRACE"  # 1: access-log lines carry each response's engine and send times
 CHECKPOINTS = "KVFORGE_CHECKPOINTS"  # where presets are materialized (default: build/checkpoints)
 
 # engine option -> its variable, for the whole-number options
@@ -46,7 +49,7 @@ def model_environment(control_key: str, access_log: Path, prefix_cache: bool = T
                       kv_disk_bytes: int | None = None, kv_redis_url: str | None = None,
                       kv_redis_ttl: int | None = None, queue_timeout: float | None = None,
                       request_timeout: float | None = None, prefill_budget: int | None = None,
-                      scheduler: str | None = None, disaggregate: bool = False, prefill_threads: int | None = None,
+                      itl_target_ms: float | None = None, itl_target_steps: float | None = None, scheduler: str | None = None, disaggregate: bool = False, prefill_threads: int | None = None,
                       pd_threshold: int | None = None, pd_transport: str | None = None,
                       speculative: str | None = None, speculative_tokens: int | None = None,
                       spin_us: int | None = None) -> dict[str, str]:
@@ -56,7 +59,7 @@ def model_environment(control_key: str, access_log: Path, prefix_cache: bool = T
               KV_HOST_BYTES: kv_host_bytes, KV_DISK_DIR: kv_disk_dir and Path(kv_disk_dir).resolve(),
               KV_DISK_BYTES: kv_disk_bytes, KV_REDIS_URL: kv_redis_url, KV_REDIS_TTL: kv_redis_ttl,
               QUEUE_TIMEOUT: queue_timeout, REQUEST_TIMEOUT: request_timeout, PREFILL_BUDGET: prefill_budget,
-              SCHEDULER: scheduler, DISAGGREGATE: "1" if disaggregate else None, PREFILL_THREADS: prefill_threads,
+              ITL_TARGET_MS: itl_target_ms, ITL_TARGET_STEPS: itl_target_steps, SCHEDULER: scheduler, DISAGGREGATE: "1" if disaggregate else None, PREFILL_THREADS: prefill_threads,
               PD_THRESHOLD: pd_threshold, PD_TRANSPORT: pd_transport, SPECULATIVE: speculative,
               SPECULATIVE_TOKENS: speculative_tokens, SPIN_US: spin_us}
     return {name: str(value) for name, value in values.items() if value is not None and value != ""}
@@ -75,6 +78,10 @@ def engine_options(environ: Mapping[str, str] = os.environ) -> dict:
     for key, name in WHOLE_NUMBERS.items():
         if (value := whole_number(name, environ)) is not None:
             options[key] = value
+    if (target_ms := number(ITL_TARGET_MS, "milliseconds", environ)) is not None:
+        options["itl_target"] = target_ms / 1000
+    if (target_steps := number(ITL_TARGET_STEPS, "decode steps", environ)) is not None:
+        options["itl_target_steps"] = target_steps
     if environ.get(DISAGGREGATE, "0") not in ("0", "1"):
         raise ValueError(f"{DISAGGREGATE} must be 0 or 1 (got {environ[DISAGGREGATE]!r})")
     if environ.get(DISAGGREGATE) == "1":
@@ -97,13 +104,17 @@ def engine_options(environ: Mapping[str, str] = os.environ) -> dict:
 
 
 def seconds(name: str, environ: Mapping[str, str] = os.environ) -> float | None:
+    return number(name, "seconds", environ)
+
+
+def number(name: str, unit: str, environ: Mapping[str, str] = os.environ) -> float | None:
     value = environ.get(name)
     if not value:
         return None
     try:
         return float(value)
     except ValueError:
-        raise ValueError(f"{name} must be a number of seconds (got {value!r})") from None
+        raise ValueError(f"{name} must be a number of {unit} (got {value!r})") from None
 
 
 def whole_number(name: str, environ: Mapping[str, str] = os.environ) -> int | None:
@@ -119,3 +130,10 @@ def threads(environ: Mapping[str, str] = os.environ) -> int | None:
 
 def spin_us(environ: Mapping[str, str] = os.environ) -> int | None:
     return whole_number(SPIN_US, environ)
+
+
+def traces_tokens(environ: Mapping[str, str] = os.environ) -> bool:
+    value = environ.get(TOKEN_TRACE, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{TOKEN_TRACE} must be 0 or 1 (got {value!r})")
+    return value == "1"

@@ -35,7 +35,7 @@ from launcher.supervisor import Supervisor
 from launcher.tritonserver import READY_TIMEOUT, ServerError, TritonProcess, free_ports, server_env
 from runtime.disaggregation import THRESHOLD_TOKENS, TRANSPORTS
 from runtime.runners.ort import DEFAULT_SPIN_US, MAX_SPIN_US
-from runtime.scheduler import PREFILL_BUDGET, check_prefill_budget
+from runtime.scheduler import ITL_TARGET_DECODE_STEPS, check_itl_target, check_prefill_budget
 from runtime.speculation import MAX_DRAFT_TOKENS, Speculation
 
 
@@ -71,9 +71,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="seconds a request may wait for a KV slot before it is refused (llm model)")
     parser.add_argument("--request-timeout", type=float, default=None,
                         help="seconds a request may run in all before it is ended (llm model)")
+    parser.add_argument("--itl-target-steps", type=float, default=None,
+                        help="the engine step length that prompt tokens may fill beside decoding rows, in measured "
+                        f"decode steps (default {ITL_TARGET_DECODE_STEPS:g}): larger favours time to first token, "
+                        "smaller the other streams' inter-token latency")
+    parser.add_argument("--itl-target-ms", type=float, default=None,
+                        help="the same target in milliseconds, whatever a decode step takes")
     parser.add_argument("--prefill-budget", type=int, default=None,
-                        help=f"prompt tokens per engine step beside every decoding row (default {PREFILL_BUDGET}: "
-                        "larger favours time to first token, smaller the other streams' inter-token latency)")
+                        help="instead of the target: a fixed number of prompt tokens per engine step beside every "
+                        "decoding row")
     parser.add_argument("--scheduler", choices=env.SCHEDULERS, default=None,
                         help="stall-free (default): every step runs every decoding row plus prompt chunks up to "
                         "the budget; alternate: prompt-chunk steps take turns with decode steps")
@@ -181,6 +187,14 @@ def check_config(args: argparse.Namespace) -> None:
             check_prefill_budget(args.prefill_budget)
         except ValueError as e:
             raise ConfigError(f"--prefill-budget: {e}") from None
+    targets = [flag for flag, value in (("--itl-target-ms", args.itl_target_ms),
+                                        ("--itl-target-steps", args.itl_target_steps)) if value is not None]
+    if targets and args.prefill_budget is not None:
+        raise ConfigError(f"--prefill-budget fixes the prompt tokens per step and {targets[0]} derives them: give one")
+    try:
+        check_itl_target(None if args.itl_target_ms is None else args.itl_target_ms / 1000, args.itl_target_steps)
+    except ValueError as e:
+        raise ConfigError(f"{' / '.join(targets)}: {e}") from None
     if args.speculative_tokens is not None:
         if args.speculative != "ngram":
             raise ConfigError("--speculative-tokens sizes the drafts of --speculative ngram: add it")
@@ -226,9 +240,10 @@ def main(argv: list[str] | None = None) -> int:
             key, log_dir / "kvforge.jsonl", prefix_cache=args.prefix_cache == "on", kv_host_bytes=args.kv_host_bytes,
             kv_disk_dir=args.kv_disk_dir, kv_disk_bytes=args.kv_disk_bytes, kv_redis_url=args.kv_redis_url,
             kv_redis_ttl=args.kv_redis_ttl, queue_timeout=args.queue_timeout, request_timeout=args.request_timeout,
-            prefill_budget=args.prefill_budget, scheduler=args.scheduler, disaggregate=args.disaggregate,
-            prefill_threads=args.prefill_threads, pd_threshold=args.pd_threshold, pd_transport=args.pd_transport,
-            speculative=args.speculative, speculative_tokens=args.speculative_tokens, spin_us=args.spin_us)
+            prefill_budget=args.prefill_budget, itl_target_ms=args.itl_target_ms,
+            itl_target_steps=args.itl_target_steps, scheduler=args.scheduler,
+            disaggregate=args.disaggregate, prefill_threads=args.prefill_threads, pd_threshold=args.pd_threshold,
+            pd_transport=args.pd_transport, speculative=args.speculative, speculative_tokens=args.speculative_tokens, spin_us=args.spin_us)
         if args.disaggregate:  # on 2 cores, 1 + 1: the workers take turns on no core
             cores = os.cpu_count() or 2
             prefill = args.prefill_threads or max(1, cores // 2)

@@ -44,8 +44,11 @@ class TritonServer:
     def __init__(self, repo: Path, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
                  metrics_port: int = 8002, ready_timeout: float = READY_TIMEOUT, log_dir: Path | None = None,
                  extra_args: list[str] | None = None, control_key: str | None = None,
-                 launcher_prefix: list[str] | None = None, openai_port: int | None = None):
+                 launcher_prefix: list[str] | None = None, openai_port: int | None = None,
+                 environment: dict[str, str] | None = None):
+        """environment: variables for the launcher beyond this process's (e.g. KVFORGE_TOKEN_TRACE)."""
         self.repo = Path(repo).resolve()
+        self.environment = dict(environment or {})
         self.openai_port = openai_port
         self.host, self.ready_timeout = host, ready_timeout
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
@@ -93,7 +96,7 @@ class TritonServer:
             # SIGKILLed when the starting thread goes (its tritonserver follows: PDEATHSIG there too)
             self.process = subprocess.Popen(dying_with_parent(cmd), stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True, cwd=Path(__file__).resolve().parents[1],
-                                            env={**os.environ, env.CONTROL_KEY: self.control_key})
+                                            env={**os.environ, **self.environment, env.CONTROL_KEY: self.control_key})
         try:
             self.wait_ready(self.ready_timeout)
         except BaseException:

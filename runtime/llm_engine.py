@@ -32,7 +32,7 @@ from runtime.kv.tiers.redis import RedisTier
 from runtime.runners import open_runner
 from runtime.runners.base import Batch
 from runtime.sampling import SamplingParams
-from runtime.scheduler import PREFILL_BUDGET, SOLO_PREFILL_TOKENS, Scheduler
+from runtime.scheduler import SOLO_PREFILL_TOKENS, Scheduler
 from runtime.sequence import RequestOutput, Sequence
 from runtime.speculation import NgramIndex, Speculation
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -51,7 +51,8 @@ Prompt = str | list[int]
 
 class LLMEngine:
     def __init__(self, engine_dir: Path | str, *, slots: int | None = None, max_waiting: int | None = None,
-                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, prefill_budget: int = PREFILL_BUDGET,
+                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, prefill_budget: int | None = None,
+                 itl_target: float | None = None, itl_target_steps: float | None = None,
                  solo_prefill_tokens: int = SOLO_PREFILL_TOKENS, stall_free: bool = True,
                  threads: int | None = None, prefix_cache: bool = True, kv_host_bytes: int | None = None,
                  kv_disk_dir: Path | str | None = None, kv_disk_bytes: int = DEFAULT_KV_DISK_BYTES,
@@ -64,9 +65,10 @@ class LLMEngine:
         admission: "optimistic" admits on the KV sequences hold now and, when they outgrow
         kv_cache_bytes, preempts the youngest (its row swapped to the host pool, or recomputed
         beyond the swap reserve); "reserve" promises every request prompt + max_tokens up front.
-        prefill_budget: prompt tokens per step beside the decoding rows (stall_free, the default:
-        every step runs every decoding row; runtime/scheduler.py has the measured trade-off);
-        stall_free=False alternates prompt-chunk steps with decode steps.
+        stall_free (the default): every step runs every decoding row plus prompt tokens; as many as
+        keep the step within itl_target seconds or itl_target_steps measured decode steps, or
+        a fixed prefill_budget of them (runtime/scheduler.py); stall_free=False alternates
+        prompt-chunk steps with decode steps.
         disaggregation: long uncached prompts are prefilled by a prefill worker process and handed
         over as a prefix hit (runtime/disaggregation.py); needs the prefix cache.
         speculation: requests draft tokens from their own context and verify them in one step
@@ -111,8 +113,8 @@ class LLMEngine:
         if isinstance(speculation, dict):  # the fields, as kvforge.env.engine_options reads them
             speculation = Speculation(**speculation)
         self.speculates_by_default = speculation is not None
-        self.scheduler = Scheduler(self.kv, manifest.max_seq_len, self.limits.max_waiting, prefill_budget,
-                                   solo_prefill_tokens, stall_free, speculation or Speculation())
+        self.scheduler = Scheduler(self.kv, manifest.max_seq_len, self.limits.max_waiting, prefill_budget, itl_target,
+                                   itl_target_steps, solo_prefill_tokens, stall_free, speculation or Speculation())
         self._ids = itertools.count(1)
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="kvforge-engine", daemon=True)
@@ -128,6 +130,14 @@ class LLMEngine:
         cache_salt: the request shares cached prefixes only with requests of the same salt.
         A request still waiting for a slot after queue_timeout seconds, or still running after
         timeout seconds, ends with finish_reason "timeout"."""
+        seq = self._prepare(prompt, params, on_output, cache_salt, queue_timeout, timeout)
+        self._enqueue([seq])
+        return seq.request_id
+
+    def _prepare(self, prompt: Prompt, params: SamplingParams | None, on_output, cache_salt: bytes | None,
+                 queue_timeout: float | None, timeout: float | None) -> Sequence:
+        """A request's checks and its tokenization, on the caller's thread and without the engine's
+        lock: a long prompt being tokenized holds no step and no other request."""
         params = params or SamplingParams()
         params.validate()
         if cache_salt is not None and (not isinstance(cache_salt, bytes) or len(cache_salt) > MAX_CACHE_SALT_BYTES):
@@ -162,21 +172,27 @@ class LLMEngine:
             raise RequestError(f"the request needs {self.runner.bucket_for(seq.max_tokens_total)} KV tokens "
                                f"(its capacity bucket) but the cache holds {self.limits.kv_tokens}; "
                                "lower max_tokens or shorten the prompt")
+        return seq
+
+    def _enqueue(self, seqs: list[Sequence]) -> None:
+        """Prepared requests join the queue (or go to the prefill worker) as one arrival."""
+        remote = []
         with self._cond:
             if self._closed:
                 raise EngineError("the engine is shut down")
-            remote = self.pd is not None and self.pd.accepts(self.kv.uncached_tokens(seq))
-            if remote:
-                self.scheduler.check_room(len(self._remote))
-                self._remote[seq.request_id] = seq
-                self.pd_counters["pd_remote_prefills"] += 1
-            else:
-                self.scheduler.add(seq, len(self._remote))
-                self.pd_counters["pd_local_prefills"] += self.pd is not None
+            for seq in seqs:
+                if self.pd is not None and self.pd.accepts(self.kv.uncached_tokens(seq)):
+                    self.scheduler.check_room(len(self._remote))
+                    self._remote[seq.request_id] = seq
+                    self.pd_counters["pd_remote_prefills"] += 1
+                    remote.append(seq)
+                else:
+                    self.scheduler.add(seq, len(self._remote))
+                    self.pd_counters["pd_local_prefills"] += self.pd is not None
             self._cond.notify()
-        if remote and not self.pd.submit(seq.request_id, seq.tokens[:seq.num_prompt], seq.cache_salt):
-            self._handed_off(seq.request_id, False, {"error": "the prefill worker is not reachable"})
-        return seq.request_id
+        for seq in remote:
+            if not self.pd.submit(seq.request_id, seq.tokens[:seq.num_prompt], seq.cache_salt):
+                self._handed_off(seq.request_id, False, {"error": "the prefill worker is not reachable"})
 
     def _handed_off(self, request_id: int, ok: bool, report: dict) -> None:
         """The prefill worker is done with a request (or failed it): it joins the queue, its
@@ -243,8 +259,9 @@ class LLMEngine:
             if out.finished:
                 done.release()
 
-        with self._cond:  # reentrant: the prompts reach the scheduler together, as one arrival
-            ids = [self.submit(prompt, p, collect) for prompt, p in zip(prompts, params, strict=True)]
+        seqs = [self._prepare(prompt, p, collect, None, None, None) for prompt, p in zip(prompts, params, strict=True)]
+        self._enqueue(seqs)  # the prompts reach the scheduler together, as one arrival
+        ids = [seq.request_id for seq in seqs]
         deadline = None if timeout is None else time.monotonic() + timeout
         for _ in ids:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -263,6 +280,8 @@ class LLMEngine:
         with self._cond:
             s = self.scheduler
             return dict(running=len(s.running), waiting=len(s.waiting), loading=s.loading, slots=self.limits.slots,
+                        step_budget=s.step_budget(), decode_step_seconds=s.costs.decode_seconds,
+                        prompt_token_seconds=s.costs.prompt_token_seconds,
                         prefix_cache=self.kv.pool is not None, **self.kv.stats(), **s.counters, **self.pd_counters,
                         pd_prefill_queue=len(self._remote), pd_prefill_worker_up=int(self.pd is not None and self.pd.up))
 
@@ -288,10 +307,11 @@ class LLMEngine:
                 if self._closed:
                     break
             try:
+                began = time.perf_counter()
                 with self._cond:
                     outputs, batch = self.scheduler.schedule()
                 if batch is not None:
-                    outputs += self._step(batch)
+                    outputs += self._step(batch, began)
                 elif not outputs:  # only loads are pending: sleep until one ends (or a deadline passes)
                     with self._cond:
                         self._cond.wait(LOAD_POLL_SECONDS)
@@ -306,14 +326,15 @@ class LLMEngine:
             outputs = [(seq, seq.finish("error", "the engine shut down")) for seq in left]
         self._emit(outputs)
 
-    def _step(self, batch: Batch) -> list[tuple[Sequence, RequestOutput]]:
-        """Run one batch: the only work done without the lock (it touches nothing but the runner)."""
-        began = time.perf_counter()
+    def _step(self, batch: Batch, began: float) -> list[tuple[Sequence, RequestOutput]]:
+        """Run one batch: the only work done without the lock (it touches nothing but the runner).
+        The scheduler measures the whole step, from scheduling it to its outputs, not the runner
+        alone."""
         logits = self.runner.step(batch.input_ids, batch.write_positions, batch.num_new, batch.logit_positions)
-        seconds = time.perf_counter() - began
         with self._cond:
-            self.scheduler.measured(batch, seconds)
-            return self.scheduler.postprocess(batch, logits)
+            outputs = self.scheduler.postprocess(batch, logits)
+            self.scheduler.measured(batch, time.perf_counter() - began)
+            return outputs
 
     @staticmethod
     def _emit(outputs: list[tuple[Sequence, RequestOutput]]) -> None:

@@ -9,71 +9,30 @@ row num_new[b] of its pending tokens (as a right-padded [rows, S] Batch; the run
 real tokens); a row samples when it has consumed all it had.
 
 Stall-free (the default; Sarathi-Serve): every step runs every decoding row (one token each)
-plus prompt chunks up to `prefill_budget` tokens, oldest prompt first, so a stream's next token
+plus prompt chunks up to a budget of prompt tokens, oldest prompt first, so a stream's next token
 waits for at most one budget of prompt compute and no prompt waits behind decode steps (a later
-prompt's chunk shares the step only when its span is like the others': similar_spans). The
-in-place graph takes packed tokens, so mixing costs what the tokens cost. The budget trades the
-streams' inter-token latency against the long prompt's TTFT; measured with
-`python -m bench --sections mixed_load` (small-llama, 4K context, fp32, 2 threads, an otherwise
-idle machine, two runs; one stream decoding while two fresh 2,000-token prompts arrive together,
-medians of 3 rounds per run):
+prompt's chunk shares the step only when its span is like the others': similar_spans).
 
-    scheduler                    alternate  stall-free 32  stall-free 48  stall-free 256
-    stream ITL p50 alone, ms      22.6/23.2     26.0/23.8      25.0/27.6      25.7/29.3
-    ITL p99 during prefill, ms   487.0/476.2   148.5/152.6    183.4/251.9    725.8/780.6
-    p99 / p50                     21.5/20.5x     5.7/6.4x       7.3/9.1x      28.2/26.6x
-    long prompts' TTFT median, s   5.89/5.96     8.22/8.29      7.07/7.96      5.38/5.75
-
-That was export format 3, where a decode row's attention followed the buffer's capacity, which
-the two prompts grow to their 2K-token bucket (one decode row: 31 ms at capacity 2,560, 45 ms at
-4,096, ~22 ms in a small bucket). Format 4 attends over the decode rows' own span, the capacity
-grows once per prompt and prompt rows stay before decoding rows (runtime/kv/manager.py); the same
-section, two full runs:
-
-    scheduler                    alternate  stall-free 32  stall-free 48  stall-free 256
-    stream ITL p50 alone, ms      19.8/18.4     19.5/19.0      19.2/19.2      19.1/19.2
-    ITL p99 during prefill, ms   334.6/320.6     77.9/78.8    120.4/115.8    462.0/514.2
-    p99 / p50                     16.9/17.4x      4.0/4.2x       6.3/6.0x      24.2/26.8x
-    long prompts' TTFT median, s   4.40/4.27     4.89/5.00      4.26/4.01      3.23/3.40
-
-Every 16 prompt tokens add ~15-20 ms to the step (weight matmuls and the chunk's attention). 32
-tokens keep a stream's p99 gap near 4x its own for ~1.1-1.2x the alternate policy's TTFT (which
-prefills both prompts side by side in 256-token steps and stalls streams ~330 ms per step): the
-default. With the KV reservation mapped at startup (runtime/runners/ort.py: first-touched pages
-had added 5-260 ms stalls), one more full run gave 32: 5.6x at 1.09x TTFT, 24: 4.8x at 1.34x:
-24 trades past the TTFT bound without reaching 4x served. Since a fresh prompt's chunk no longer
-shares a step with a long prompt's last one (similar_spans) and a decoding row rotates through a
-spare row holding the least KV (runtime/kv/manager.py prompts_first), three full runs gave
-
-    scheduler                    alternate       stall-free 32     stall-free 24
-    stream ITL p50 alone, ms      17.2/17.1/18.2  17.0/17.0/17.7    17.3/16.2/17.2
-    ITL p99 during prefill, ms   324/336/347     58.4/61.0/62.7    54.2/52.0/54.9
-    p99 / p50                     18.9/19.7/19.1x  3.4/3.6/3.5x      3.1/3.2/3.2x
-    long prompts' TTFT median, s  4.32/4.43/4.65   4.59/4.67/4.81    5.58/5.42/5.61
-
-(docs/benchmarks.md has the tables): 32 meets both bounds (<= 4x, TTFT <= 1.3x: 1.03-1.06x);
-24 costs 1.2-1.3x TTFT for 0.3x less.
-When no row decodes, prompts go in chunks of `solo_prefill_tokens`: nobody waits on the chunk.
+The budget follows an inter-token-latency target, as Sarathi-Serve derives its token budget from
+the TBT SLO: StepCosts measures, as the engine runs, what a decode step takes and what each
+prompt token adds to a step, and each step beside decoding rows gets the prompt tokens that keep
+it within the target: ITL_TARGET_DECODE_STEPS measured decode steps (1.5), or an absolute
+`itl_target` (seconds). A step costs about a decode step (the weights read once) plus ~1.2-2 ms
+per prompt token on small-llama with 2 threads, so a fixed budget tuned one day (32 tokens:
+~3.5x a decode step on 2026-12-04) lands elsewhere on another; the target holds on both. Until
+both costs were measured, PREFILL_BUDGET is the budget; a fixed `prefill_budget` turns the
+target off. The trade-off (stream ITL p99 vs long prompts' TTFT per target) is measured by
+`python -m bench --sections stream_gaps`; docs/benchmarks.md keeps the tables of every
+generation of this scheduler. When no row decodes, prompts go in chunks of
+`solo_prefill_tokens`: nobody waits on the chunk.
 
 Speculation (runtime/speculation.py): in a step where every row decodes and at most
 `speculation.max_rows` do, a row that speculates feeds its pending token plus tokens
 drafted from its own context; postprocess keeps those the model agrees with (`_verified`).
 
 Alternate (`stall_free=False`; with prefill_budget=256, the policy before issue 20): prompt-chunk
-steps take turns with decode steps, mixed only when padding both into one [rows, S] block wasted at most
-MIX_PADDING_TOKENS (the padded graph made a 1-prompt + 8-decode step at S=16 cost 294 ms mixed
-vs 108 ms apart). Its chunk size, measured with `python -m bench.prefill EXPORT --rounds 2` on
-small-llama-32k, fp32, 2 threads (load 8-9, so absolute times ~4x an idle machine's):
-
-    chunk tokens               128    256    512   1024   2048
-    1K prompt alone, TTFT s   8.24   8.04   7.63   7.41      -
-    2K prompt alone, TTFT s  19.91  16.05  14.20  15.02  17.22
-    2K prompt with 1 decoding row:
-      TTFT s                 21.61  18.58  16.22  15.06  16.40
-      longest decode gap s    1.78   2.85   4.74   7.67  16.27
-
-Alone, chunks help up to 512 tokens (attention costs follow the capacity bucket, so a chunk in a
-small bucket is cheaper than the whole prompt in the big one): SOLO_PREFILL_TOKENS.
+steps take turns with decode steps, mixed only when padding both into one [rows, S] block wasted
+at most MIX_PADDING_TOKENS.
 """
 from __future__ import annotations
 
@@ -89,9 +48,18 @@ from runtime.sequence import RequestOutput, Sequence, Status
 from runtime.speculation import Speculation, continuations, draft_length, pause_after
 
 MIX_PADDING_TOKENS = 16
-PREFILL_BUDGET = 32
+PREFILL_BUDGET = 32  # prompt tokens beside decoding rows before the step costs are measured
 SOLO_PREFILL_TOKENS = 512
-MAX_PREFILL_BUDGET = 8192
+MIN_PREFILL_BUDGET, MAX_PREFILL_BUDGET = 2, 8192
+# the default inter-token-latency target, in measured decode steps: a step beside decoding rows
+# takes at most this many. `python -m bench --sections stream_gaps` (small-llama, 2026-12-04, 10
+# rounds each) measured 1.5 best on every count: stream ITL p99 3.4x its pace alone (2.5: 5.7x,
+# fixed 32 tokens: 7.7x), largest gap 3.7x (6.3x, 8.2x), long prompts' TTFT 1.33x alone (1.28x,
+# 1.2x): per prompt token, small chunks cost less on this CPU than large ones
+ITL_TARGET_DECODE_STEPS = 1.5
+MAX_ITL_TARGET, MAX_ITL_STEPS = 10.0, 100.0  # seconds, decode steps
+# how much one step's measurement moves the running estimates (exponentially weighted)
+COST_WEIGHT = 0.3
 # A request loading its prefix from disk / Redis waits at most as long as recomputing it is
 # estimated to take (from the measured prefill rate), but never less than this (thread hand-offs);
 # before any prefill was measured, up to the longer bound.
@@ -99,9 +67,61 @@ LOAD_DEADLINE_FLOOR, LOAD_DEADLINE_UNMEASURED = 0.01, 2.0
 
 
 def check_prefill_budget(budget: int) -> None:
-    if not isinstance(budget, int) or not 2 <= budget <= MAX_PREFILL_BUDGET:
+    if not isinstance(budget, int) or not MIN_PREFILL_BUDGET <= budget <= MAX_PREFILL_BUDGET:
         raise ValueError(f"the prefill budget must be a whole number of prompt tokens per step in "
-                         f"2..{MAX_PREFILL_BUDGET}, got {budget!r}")
+                         f"{MIN_PREFILL_BUDGET}..{MAX_PREFILL_BUDGET}, got {budget!r}")
+
+
+def check_itl_target(seconds: float | None, decode_steps: float | None) -> None:
+    if seconds is not None and decode_steps is not None:
+        raise ValueError("give the inter-token latency target in seconds or in decode steps, not both")
+    if seconds is not None and not (isinstance(seconds, (int, float)) and 0 < seconds <= MAX_ITL_TARGET):
+        raise ValueError(f"the inter-token latency target must be in (0, {MAX_ITL_TARGET:g}] seconds, got {seconds!r}")
+    if decode_steps is not None and not (isinstance(decode_steps, (int, float)) and 1 < decode_steps <= MAX_ITL_STEPS):
+        raise ValueError(f"the inter-token latency target must be in (1, {MAX_ITL_STEPS:g}] decode steps, "
+                         f"got {decode_steps!r}")
+
+
+class StepCosts:
+    """What steps cost on this host, as measured: a decode step (every decoding row, one token
+    each) and what one prompt token adds to a step (its weight matmuls and its attention), and
+    from them the prompt tokens a step beside decoding rows may carry to meet the ITL target."""
+
+    def __init__(self, itl_target: float | None = None, itl_target_steps: float | None = None):
+        check_itl_target(itl_target, itl_target_steps)
+        self.itl_target = itl_target  # seconds; None: itl_target_steps measured decode steps
+        self.itl_target_steps = itl_target_steps or ITL_TARGET_DECODE_STEPS
+        self.decode_seconds: float | None = None
+        self.prompt_token_seconds: float | None = None
+
+    def measured(self, prompt_tokens: int, decoding_rows: int, seconds: float) -> None:
+        """One step's time: a step without prompt tokens is a decode step; a step with them adds
+        (seconds - a decode step) / prompt_tokens to the per-token estimate (a prompt-only step
+        counts its weight read as a decode step's, which every step pays)."""
+        if prompt_tokens == 0:
+            if decoding_rows:
+                self.decode_seconds = self._moved(self.decode_seconds, seconds)
+            return
+        if self.decode_seconds is not None:
+            per_token = max(seconds - self.decode_seconds, 0.0) / prompt_tokens
+            self.prompt_token_seconds = self._moved(self.prompt_token_seconds, max(per_token, 1e-6))
+
+    @staticmethod
+    def _moved(old: float | None, new: float) -> float:
+        return new if old is None else (1 - COST_WEIGHT) * old + COST_WEIGHT * new
+
+    def target_seconds(self) -> float | None:
+        if self.itl_target is not None:
+            return self.itl_target
+        return None if self.decode_seconds is None else self.itl_target_steps * self.decode_seconds
+
+    def budget(self) -> int:
+        """Prompt tokens for a step beside decoding rows: what fits in the target beyond the
+        decode step, within MIN..MAX_PREFILL_BUDGET; PREFILL_BUDGET until both costs are known."""
+        if self.decode_seconds is None or self.prompt_token_seconds is None:
+            return PREFILL_BUDGET
+        tokens = (self.target_seconds() - self.decode_seconds) / self.prompt_token_seconds + 1e-9  # float noise
+        return int(min(max(tokens, MIN_PREFILL_BUDGET), MAX_PREFILL_BUDGET))
 
 
 def similar_spans(spans: list[int], budget: int) -> bool:
@@ -117,16 +137,24 @@ class Scheduler:
     """Not thread-safe: the engine serializes calls (schedule and postprocess under its lock)."""
 
     def __init__(self, kv: KVManager, max_seq_len: int, max_waiting: int,
-                 prefill_budget: int = PREFILL_BUDGET, solo_prefill_tokens: int = SOLO_PREFILL_TOKENS,
-                 stall_free: bool = True, speculation: Speculation = Speculation()):
-        check_prefill_budget(prefill_budget)
+                 prefill_budget: int | None = None, itl_target: float | None = None,
+                 itl_target_steps: float | None = None, solo_prefill_tokens: int = SOLO_PREFILL_TOKENS, stall_free: bool = True,
+                 speculation: Speculation = Speculation()):
+        """prefill_budget: a fixed number of prompt tokens per step beside the decoding rows;
+        None (the default): the budget follows the ITL target (itl_target seconds, or
+        itl_target_steps measured decode steps; neither: ITL_TARGET_DECODE_STEPS)."""
+        if prefill_budget is not None:
+            check_prefill_budget(prefill_budget)
+            if itl_target is not None or itl_target_steps is not None:
+                raise ValueError("give a fixed prefill budget or an inter-token latency target, not both")
         speculation.check()
         self.speculation = speculation
         self.max_seq_len = max_seq_len
         self.kv = kv
         self.max_waiting = max_waiting
-        self.prefill_budget = prefill_budget  # prompt tokens per step beside the decoding rows
-        self.solo_prefill_tokens = max(prefill_budget, solo_prefill_tokens)  # when no row decodes
+        self.prefill_budget = prefill_budget
+        self.costs = StepCosts(itl_target, itl_target_steps)
+        self.solo_prefill_tokens = max(prefill_budget or PREFILL_BUDGET, solo_prefill_tokens)  # when no row decodes
         self.stall_free = stall_free
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -267,7 +295,7 @@ class Scheduler:
         self.kv.prompts_first(self.running)
         pending = [s.pending for s in self.running]
         decoding = 1 in pending
-        budget = self.prefill_budget if decoding else self.solo_prefill_tokens
+        budget = self.step_budget() if decoding else self.solo_prefill_tokens
         room = self.kv.step_room(self.running)
         if max(pending) == 1 and (drafted := self._speculative_batch(room)) is not None:
             return drafted
@@ -287,6 +315,10 @@ class Scheduler:
         self.kv.fit_capacity(max(s.num_cached for s in self.running) + width, len(self.running),
                              self.kv.ends(self.running))
         return Batch.of(kind, self.running, width, num_new)
+
+    def step_budget(self) -> int:
+        """Prompt tokens for the next step beside decoding rows."""
+        return self.prefill_budget if self.prefill_budget is not None else self.costs.budget()
 
     def _speculative_batch(self, room: int) -> Batch | None:
         """A decode step in which the rows that speculate feed drafted tokens after their own
@@ -325,13 +357,17 @@ class Scheduler:
     # ------------------------------------------------------------------ after a step
 
     def measured(self, batch: Batch, seconds: float) -> None:
-        """How long the runner took for `batch`: steps with prompt chunks give the rate that tells
-        loading a prefix from disk / Redis from recomputing it (a mixed step's decode rows make it
-        slightly pessimistic: loads are then tried a little longer). A decode step has no prompt
-        chunk, even when its rows verify drafted tokens."""
+        """How long the runner took for `batch`: the step costs the budget follows, and from steps
+        with prompt chunks the rate that tells loading a prefix from disk / Redis from recomputing
+        it (a mixed step's decode rows make it slightly pessimistic: loads are then tried a little
+        longer). A decode step has no prompt chunk, even when its rows verify drafted tokens (such
+        a step measures neither cost)."""
         if batch.kind == "decode":
+            if not batch.drafts.any():
+                self.costs.measured(0, len(batch.num_new), seconds)
             return
         chunks = batch.num_new[batch.num_new > 1]
+        self.costs.measured(int(chunks.sum()), int((batch.num_new == 1).sum()), seconds)
         if len(chunks):
             rate = int(chunks.sum()) / max(seconds, 1e-6)
             old = self.prefill_tokens_per_second

@@ -17,8 +17,9 @@ from tests.conftest import run_cli
 pytestmark = pytest.mark.timeout(1800)
 
 SECTIONS = ("cache_speedup", "layouts", "kv_dtypes", "peers", "serving", "roofline", "weights", "prefix_cache",
-            "kv_tiers", "fleet", "mixed_load", "mla", "speculative", "spin")
+            "kv_tiers", "fleet", "mixed_load", "stream_gaps", "mla", "speculative", "spin")
 PLOTS = ("cache.png", "layouts.png", "serving.png", "prefix_cache.png", "kv_tiers.png", "fleet.png", "mixed_load.png",
+         "stream_gaps.png",
          "mla.png", "roofline.png", "speculative.png", "spin.png")
 
 
@@ -219,8 +220,8 @@ def test_mixed_load_structure(quick_run):
     and the targets judge the default budget against the alternating scheduler."""
     _, results, _ = quick_run
     section = results["mixed_load"]
-    assert list(section["configurations"]) == ["alternate"] + [f"stall-free {b}" for b in section["shape"]["budgets"]] \
-        + ["disaggregated", "conditional"]
+    assert list(section["configurations"]) == ["alternate", "stall-free default"] \
+        + [f"stall-free {b}" for b in section["shape"]["budgets"]] + ["disaggregated", "conditional"]
     for c in section["configurations"].values():
         assert len(c["rounds"]) == section["shape"]["rounds"]
         assert c["itl_during_max_ms"] >= c["itl_during_p99_ms"] > 0 and c["itl_alone_p50_ms"] > 0
@@ -232,6 +233,25 @@ def test_mixed_load_structure(quick_run):
     assert handoffs["handoffs"] == handoffs["remote"] > 0 and handoffs["failures"] == 0
     rows = [t for t in results["targets"] if t["target"].startswith("mixed_load:")]
     assert len(rows) == 5 and all(t["met"] in (True, False) for t in rows[:2] + rows[3:])
+
+
+def test_stream_gaps_structure(quick_run):
+    """Issue 37: each configuration's rounds, with every round's largest gap split by the token trace
+    into the engine's step gap, the sender's queue and the delivery, and the targets."""
+    _, results, _ = quick_run
+    section = results["stream_gaps"]
+    assert section["configurations"]
+    for c in section["configurations"].values():
+        assert len(c["rounds"]) == section["shape"]["rounds"] and len(c["alone_ttft_s"]) == section["shape"]["long_count"]
+        for r in c["rounds"]:
+            assert r["events"] == section["shape"]["stream_tokens"]
+            assert r["max_gap_ms"] >= r["itl_during_p99_ms"] > 0 and r["itl_alone_p50_ms"] > 0
+            parts = r["max_gap_parts"]  # the trace joined the client's events one to one
+            assert None not in parts.values()
+            # one clock (CLOCK_MONOTONIC) across the engine, the sender and the client: no part runs backwards
+            assert all(parts[part] >= 0 for part in ("engine_ms", "queued_ms", "delivery_ms"))
+    rows = [t for t in results["targets"] if t["target"].startswith("stream_gaps:")]
+    assert len(rows) == 3 and all(t["met"] in (True, False) for t in rows)
 
 
 def test_mla_structure(quick_run):

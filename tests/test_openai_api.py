@@ -13,8 +13,10 @@ import pytest
 import uvicorn
 
 from clients.api import LLMClient
+from frontend.chat_template import ChatTemplate
 from frontend.config import FrontConfig
 from frontend.openai_api import create_openai_app, engine_dir_of
+from runtime.tokenizer import Tokenizer
 from launcher.harness import free_ports
 
 PROMPT = "def fibonacci(n):"
@@ -230,3 +232,34 @@ def test_a_client_that_disconnects_cancels_its_triton_stream(triton, base_url):
                              "the cancellation")
     assert after["kvforge_finished_requests_total"] == before["kvforge_finished_requests_total"]
     assert after["kvforge_generated_tokens_total"] - before["kvforge_generated_tokens_total"] < 2000
+
+
+@pytest.mark.parametrize("held", ["chat template", "tokenizer"])
+def test_a_prompt_being_prepared_never_holds_the_front(triton, monkeypatch, held):
+    """Rendering a chat template and tokenizing a prompt (for its max_tokens) run off the front's
+    event loop: while one request's preparation is held, another request is answered in full."""
+    holding, release = threading.Event(), threading.Event()
+
+    def hold():
+        holding.set()
+        assert release.wait(120)
+
+    render, encode = ChatTemplate.render, Tokenizer.encode
+    if held == "chat template":
+        monkeypatch.setattr(ChatTemplate, "render", lambda self, messages, *args, **kwargs: (
+            hold() if messages[-1]["content"] == "held" else None) or render(self, messages, *args, **kwargs))
+    else:
+        # a chat without max_tokens is tokenized for the rest of the context
+        monkeypatch.setattr(Tokenizer, "encode", lambda self, text, *args, **kwargs: (
+            hold() if "held" in text else None) or encode(self, text, *args, **kwargs))
+    with serve(create_openai_app(config(triton))) as url:
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+        late = threading.Thread(target=lambda: client.chat.completions.create(
+            model="llm", messages=[{"role": "user", "content": "held"}]))
+        late.start()
+        assert holding.wait(60), "the held request never reached its preparation"
+        chunks = list(client.completions.create(model="llm", prompt=PROMPT, max_tokens=8, stream=True, temperature=0))
+        answered_while_held = not release.is_set()
+        release.set()
+        late.join(120)
+    assert answered_while_held and sum(bool(c.choices[0].text) for c in chunks) >= 1

@@ -6,6 +6,7 @@ racing the engine from the test's thread."""
 from __future__ import annotations
 
 import math
+import sys
 import threading
 
 import pytest
@@ -323,3 +324,58 @@ def test_detokenizer_streams_whole_characters(engine_dir):
     deltas = [detok.push(t) for t in ids] + [detok.flush()]
     assert "".join(deltas) == text
     assert not any("\ufffd" in d for d in deltas)
+
+
+def test_encoding_releases_the_gil(engine_dir):
+    """While a long prompt is tokenized, the process's other Python threads (the engine's step
+    loop, the response sender) keep running. With a switch interval far longer than the encoding,
+    the watcher can only run during it if the tokenizer let the GIL go (tokenizers' encode holds it
+    throughout: the watcher would then first run after `done`)."""
+    tokenizer = Tokenizer(engine_dir, Manifest.load(engine_dir))
+    text = "def f(x):\n    return [x * i for i in range(10)]\n" * 40000
+    encoding, seen, done = threading.Event(), threading.Event(), threading.Event()
+
+    def watcher():
+        encoding.wait()
+        if not done.is_set():
+            seen.set()
+
+    interval = sys.getswitchinterval()
+    thread = threading.Thread(target=watcher)
+    thread.start()
+    sys.setswitchinterval(60.0)
+    try:
+        encoding.set()
+        ids = tokenizer.encode(text)
+        done.set()
+    finally:
+        sys.setswitchinterval(interval)
+    thread.join(30)
+    assert len(ids) > 100000 and seen.is_set()
+
+
+def test_a_prompt_being_tokenized_never_holds_a_running_stream(engine_dir):
+    """Admission work (tokenizing, checking) runs on the submitting thread: while one request's
+    tokenization is held, a running stream generates to its end."""
+    with LLMEngine(engine_dir, slots=4) as engine:
+        held, release = threading.Event(), threading.Event()
+        encode = engine.tokenizer.encode
+
+        def held_encode(text, add_special_tokens=True):
+            if text == "held":
+                held.set()
+                assert release.wait(120)
+            return encode(text, add_special_tokens)
+
+        engine.tokenizer.encode = held_encode
+        started, finished = threading.Event(), threading.Event()
+        engine.submit(PROMPTS[0], SamplingParams(max_tokens=64, ignore_eos=True),
+                      lambda out: (started.set(), out.finished and finished.set()))
+        wait_for(started, "the stream's first token")
+        late = threading.Thread(target=lambda: engine.generate(["held"], SamplingParams(max_tokens=2)))
+        late.start()
+        wait_for(held, "the held tokenization")
+        wait_for(finished, "the stream to finish while another prompt is being tokenized")
+        assert not release.is_set()
+        release.set()
+        late.join(120)

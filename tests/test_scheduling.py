@@ -1,5 +1,7 @@
 """Stall-free scheduling over packed steps (issue 20): a step runs every decoding row plus prompt
 chunks up to the prefill budget; the packed in-place graph makes that cost only the real tokens.
+The budget follows an inter-token-latency target over the measured step costs (issue 37): its
+arithmetic is pinned with stand-in costs.
 
 Asserted through what the scheduler and runner did (spies on the real runner), never how fast."""
 from __future__ import annotations
@@ -14,7 +16,8 @@ from runtime.kv.manager import KVManager
 from runtime.llm_engine import LLMEngine, SamplingParams
 from runtime.runners import open_runner
 from runtime.runners.base import last_positions
-from runtime.scheduler import MAX_PREFILL_BUDGET, check_prefill_budget
+from runtime.scheduler import (ITL_TARGET_DECODE_STEPS, MAX_PREFILL_BUDGET, MIN_PREFILL_BUDGET, PREFILL_BUDGET,
+                               StepCosts, check_prefill_budget)
 from runtime.sequence import Sequence
 from tests.test_hardening import refusal
 from launcher.tritonserver import free_ports
@@ -171,3 +174,75 @@ def test_the_prefill_budget_is_checked_at_start(tmp_path):
     ports = sum((["--" + f, str(p)] for f, p in zip(("http-port", "grpc-port", "metrics-port"), free_ports(3))), [])
     line = refusal("--repo", str(tmp_path), *ports, "--prefill-budget", "1")
     assert "--prefill-budget" in line and "2..8192" in line
+
+
+def test_the_budget_fills_the_itl_target_beyond_a_decode_step():
+    """Stand-in costs: a decode step of 20 ms, 2 ms per prompt token beside it."""
+    costs = StepCosts()
+    assert costs.budget() == PREFILL_BUDGET  # nothing measured yet: the fallback
+    costs.measured(0, 1, 0.020)  # a decode step
+    assert costs.decode_seconds == pytest.approx(0.020) and costs.budget() == PREFILL_BUDGET
+    costs.measured(32, 1, 0.020 + 32 * 0.002)  # 32 prompt tokens beside one decoding row
+    assert costs.prompt_token_seconds == pytest.approx(0.002)
+    assert ITL_TARGET_DECODE_STEPS == 1.5 and costs.budget() == 5  # (1.5 x 20 - 20) / 2
+    costs.measured(64, 0, 0.020 + 64 * 0.004)  # a prompt-only step pays a decode step's weight read too
+    assert costs.prompt_token_seconds == pytest.approx(0.7 * 0.002 + 0.3 * 0.004)  # the estimate moves, smoothly
+    for target, budget in ((dict(itl_target=0.060), 20), (dict(itl_target_steps=4.0), 30),
+                           (dict(itl_target=0.015), MIN_PREFILL_BUDGET), (dict(itl_target=9.0), 4490)):
+        pinned = StepCosts(**target)
+        pinned.measured(0, 1, 0.020)
+        pinned.measured(10, 1, 0.020 + 10 * 0.002)
+        assert pinned.budget() == budget, target
+    cheap = StepCosts(itl_target=9.0)
+    cheap.measured(0, 1, 0.020)
+    cheap.measured(10, 1, 0.020)  # prompt tokens that seemed free: the budget stops at its bound
+    assert cheap.budget() == MAX_PREFILL_BUDGET
+    idle = StepCosts()
+    idle.measured(0, 0, 0.5)  # a step with no decoding row and no prompt token is no decode step
+    assert idle.decode_seconds is None
+
+
+class StandInCosts(StepCosts):
+    """Fixed costs: the engine's own measurements do not move them."""
+
+    def __init__(self, decode: float, per_token: float, itl_target: float):
+        super().__init__(itl_target)
+        self.decode_seconds, self.prompt_token_seconds = decode, per_token
+
+    def measured(self, prompt_tokens: int, decoding_rows: int, seconds: float) -> None:
+        pass
+
+
+@pytest.mark.parametrize("target, budget", [(0.050, 15), (0.030, 5)])
+def test_steps_beside_decoding_rows_carry_the_budget_of_the_target(fp32, target, budget):
+    with LLMEngine(fp32, slots=4) as engine:
+        engine.scheduler.costs = StandInCosts(0.020, 0.002, target)
+        spy = StepSpy(engine)
+        started = threading.Event()
+        stream = engine.submit(prompts(5, (10,))[0], SamplingParams(max_tokens=200, ignore_eos=True),
+                               lambda out: started.set())
+        assert started.wait(120)
+        engine.generate(prompts(6, (150,)), SamplingParams(max_tokens=2, ignore_eos=True))
+        engine.cancel(stream)
+        assert engine.stats()["step_budget"] == budget
+    beside = [sum(f for p, f in zip(pending, fed) if p > 1) for pending, fed in spy.steps if 1 in pending]
+    prompt_steps = [n for n in beside if n]
+    # every chunk beside the stream is the budget, but the prompt's last one (what was left of it)
+    assert prompt_steps and all(n == budget for n in prompt_steps[:-1]) and 0 < prompt_steps[-1] <= budget
+    assert len(prompt_steps) == -(-150 // budget)
+
+
+def test_the_itl_target_is_checked_at_start(tmp_path):
+    for bad in (dict(itl_target=0), dict(itl_target=11.0), dict(itl_target_steps=1.0), dict(itl_target_steps=101),
+                dict(itl_target=0.05, itl_target_steps=2.0)):
+        with pytest.raises(ValueError, match="inter-token latency target"):
+            StepCosts(**bad)
+    assert env.engine_options({env.ITL_TARGET_MS: "40", env.ITL_TARGET_STEPS: ""}) == {
+        **env.engine_options({}), "itl_target": 0.04}
+    with pytest.raises(ValueError, match=f"{env.ITL_TARGET_STEPS} must be a number of decode steps"):
+        env.engine_options({env.ITL_TARGET_STEPS: "fast"})
+    ports = sum((["--" + f, str(p)] for f, p in zip(("http-port", "grpc-port", "metrics-port"), free_ports(3))), [])
+    line = refusal("--repo", str(tmp_path), *ports, "--itl-target-ms", "40", "--prefill-budget", "32")
+    assert "--prefill-budget" in line and "--itl-target-ms" in line
+    line = refusal("--repo", str(tmp_path), *ports, "--itl-target-steps", "0.5")
+    assert "--itl-target-steps" in line and "decode steps" in line

@@ -12,6 +12,8 @@ METRICS = [
     ("kv_bytes_held", "kvforge_kv_cache_bytes_held",
      "Bytes of KV memory the process holds: the slot reservation every layout lives in", "GAUGE"),
     ("running", "kvforge_running_sequences", "Sequences in the running batch", "GAUGE"),
+    ("step_budget", "kvforge_step_prefill_budget_tokens",
+     "Prompt tokens a step beside decoding rows may carry now (the ITL target over the measured step costs)", "GAUGE"),
     ("waiting", "kvforge_waiting_sequences", "Requests waiting for a KV slot", "GAUGE"),
     ("generated_tokens", "kvforge_generated_tokens_total", "Tokens generated", "COUNTER"),
     ("steps", "kvforge_steps_total", "Engine steps run", "COUNTER"),

@@ -2,9 +2,13 @@
 thread that turns the engine's outputs into responses.
 
 The engine's thread only queues its outputs here, so a slow client never stalls decoding. The
-sender also asks `is_cancelled()` as a request's outputs go out (a client that went away frees
-its slot at the next step), publishes the custom metrics and latency histograms, and writes one
-access-log line per request (ids and counts, never the text).
+sender thread only sends: it asks `is_cancelled()` as a request's outputs go out (a client that
+went away frees its slot at the next step) and writes one access-log line per request (ids and
+counts, never the text). Metrics are a second thread's work (MetricsPublisher): each metric update
+is a round trip to the server and the engine's stats take the engine's lock, and neither may hold
+a token on its way out. With $KVFORGE_TOKEN_TRACE=1 the access-log line also carries each
+response's [engine time, send start, send end, tokens] (CLOCK_MONOTONIC seconds, comparable
+across this host's processes): where a stream's gap was spent (bench section stream_gaps).
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from kvforge import llm_io
+from kvforge import env, llm_io
 from kvforge.errors import CANCELLED, INTERNAL, INVALID, UNAVAILABLE, Kind, KVForgeError, QueueFullError
 from kvforge.jsonlog import append_json_line
 from runtime.sequence import RequestOutput
@@ -86,34 +90,88 @@ class ResponseStream:
         self.arrived = time.perf_counter()
         self.first_token = self.last_sent = self.cancel_seen = None
         self.last_poll = time.monotonic()  # arrival: the timer first asks IDLE_POLL_SECONDS later
+        self.trace = [] if env.traces_tokens() else None  # [engine time, send start, send end, tokens] per response
 
 
 def coalesce(items):
-    """[(stream, output)] in arrival order -> what to send: each output alone unless one stream
-    has more than MAX_UNMERGED queued, which then go as one response."""
+    """[(stream, output, emitted)] in arrival order -> what to send: each output alone unless one
+    stream has more than MAX_UNMERGED queued, which then go as one response (emitted: the last's)."""
     by_stream = {}
-    for stream, out in items:
-        by_stream.setdefault(stream, []).append(out)
+    for stream, out, emitted in items:
+        by_stream.setdefault(stream, []).append((out, emitted))
     for stream, outs in by_stream.items():
         if len(outs) <= MAX_UNMERGED:
-            yield from ((stream, out) for out in outs)
+            yield from ((stream, out, emitted) for out, emitted in outs)
         else:
-            merged = outs[0]
-            for out in outs[1:]:
+            merged = outs[0][0]
+            for out, _ in outs[1:]:
                 merged = merged.merge(out)
-            yield stream, merged
+            yield stream, merged, outs[-1][1]
+
+
+def drain(q: queue.Queue, timeout: float) -> list:
+    """Everything queued, once something is (or after `timeout` seconds: maybe nothing)."""
+    try:
+        items = [q.get(timeout=timeout)]
+    except queue.Empty:
+        return []
+    while True:
+        try:
+            items.append(q.get_nowait())
+        except queue.Empty:
+            return items
+
+
+class MetricsPublisher:
+    """The metrics thread: the engine's stats every METRICS_SECONDS (at once when a request
+    finished) and the latency observations the sender queues, off the sender's path."""
+
+    def __init__(self, engine, metrics: EngineMetrics, sender_stats):
+        self.engine, self.metrics, self.sender_stats = engine, metrics, sender_stats
+        self.observations = queue.Queue()
+        self.thread = threading.Thread(target=self.run, name="llm-metrics", daemon=True)
+        self.thread.start()
+
+    FINISHED, CLOSE = "request finished", "close"  # queued beside the histograms' names
+
+    def observe(self, histogram: str, seconds: float) -> None:
+        self.observations.put((histogram, seconds))
+
+    def request_finished(self) -> None:
+        """Publish the stats at once (a request's counts change when it ends)."""
+        self.observations.put((self.FINISHED, 0.0))
+
+    def run(self) -> None:
+        next_publish = 0.0
+        while True:
+            items = drain(self.observations, max(0.0, next_publish - time.monotonic()))
+            names = {name for name, _ in items}
+            for histogram, seconds in items:
+                if histogram not in (self.FINISHED, self.CLOSE):
+                    self.metrics.observe(histogram, seconds)
+            if self.CLOSE in names:
+                return
+            if self.FINISHED in names or time.monotonic() >= next_publish:
+                self.metrics.publish(dict(self.engine.stats(), **self.sender_stats()))
+                next_publish = time.monotonic() + METRICS_SECONDS
+
+    def close(self) -> None:
+        self.observations.put((self.CLOSE, 0.0))
+        self.thread.join()
+        self.metrics.close()
 
 
 class ResponseSender:
     """The sender thread of one llm model instance, and the streams it has live."""
 
     def __init__(self, engine, metrics: EngineMetrics, access_log: Path | None):
-        self.engine, self.metrics, self.access_log = engine, metrics, access_log
+        self.engine, self.access_log = engine, access_log
         self.outbox = queue.Queue()
         self.live = set()
         self.by_triton_id = {}  # request id -> live ResponseStream, for TensorRT-LLM's `stop` requests
         self.live_lock = threading.Lock()
         self.poll_seconds = 0.0
+        self.metrics = MetricsPublisher(engine, metrics, lambda: dict(cancel_poll_seconds=self.poll_seconds))
         self.thread = threading.Thread(target=self.run, name="llm-sender", daemon=True)
         self.thread.start()
 
@@ -121,7 +179,7 @@ class ResponseSender:
 
     def on_output(self, stream: ResponseStream):
         """The engine's callback for the request behind `stream` (it runs on the engine thread)."""
-        return lambda out: self.outbox.put((stream, out))
+        return lambda out: self.outbox.put((stream, out, time.perf_counter()))
 
     def track(self, stream: ResponseStream) -> None:
         """The engine accepted the request: from now on it is polled for cancellation."""
@@ -161,27 +219,14 @@ class ResponseSender:
         append_json_line(self.access_log, dict(source="engine", **record))
 
     def run(self) -> None:
-        next_poll = next_metrics = 0.0
+        next_poll = 0.0
         stopping = False
         while not stopping:
-            try:
-                items = [self.outbox.get(timeout=CANCEL_POLL_SECONDS)]
-            except queue.Empty:
-                items = []
-            while True:
-                try:
-                    items.append(self.outbox.get_nowait())
-                except queue.Empty:
-                    break
+            items = drain(self.outbox, CANCEL_POLL_SECONDS)
             stopping = None in items
-            batch = list(coalesce(item for item in items if item is not None))
-            # published before a request's last response goes out, so a scrape after it counts it
-            if any(out.finished for _, out in batch) or time.monotonic() >= next_metrics:
-                self.metrics.publish(dict(self.engine.stats(), cancel_poll_seconds=self.poll_seconds))
-                next_metrics = time.monotonic() + METRICS_SECONDS
-            for stream, out in batch:
+            for stream, out, emitted in coalesce(item for item in items if item is not None):
                 try:
-                    self.send(stream, out)
+                    self.send(stream, out, emitted)
                 except Exception as e:  # one request's failed send must not stop every other stream
                     pb_utils.Logger.log_error(f"llm: sending a response failed: {e}")
             now = time.monotonic()
@@ -206,7 +251,7 @@ class ResponseSender:
         for stream in idle:
             self.check_cancelled(stream)
 
-    def send(self, stream: ResponseStream, out: RequestOutput) -> None:
+    def send(self, stream: ResponseStream, out: RequestOutput, emitted: float) -> None:
         if not out.finished and time.monotonic() - stream.last_poll >= CANCEL_POLL_SECONDS:
             self.check_cancelled(stream)
         if stream.cancelled and not out.finished:
@@ -217,7 +262,7 @@ class ResponseSender:
                 self.live.discard(stream)
                 if self.by_triton_id.get(stream.triton_id) is stream:
                     del self.by_triton_id[stream.triton_id]
-        self.observe(stream, out)
+        sending = time.perf_counter()
         kind = error_kind(out, stream.stopped)
         if kind is not None:
             send_error(stream.sender, kind, out.error or CANCELLED_MESSAGE)
@@ -228,9 +273,13 @@ class ResponseSender:
             stream.gathered = stream.gathered.merge(out) if stream.gathered else out
             if out.finished:
                 stream.sender.send(response(stream.gathered, stream.echo, stream.outputs), flags=FINAL)
+        if stream.trace is not None:
+            stream.trace.append([round(emitted, 6), round(sending, 6), round(time.perf_counter(), 6),
+                                 len(out.token_ids)])
+        self.observe(stream, out)
 
     def observe(self, stream: ResponseStream, out: RequestOutput) -> None:
-        """Latency histograms as the response goes out; the access-log line when it is the last."""
+        """Latency histograms once the response went out; the access-log line when it was the last."""
         now = time.perf_counter()
         if out.token_ids:
             if stream.first_token is None:
@@ -246,6 +295,7 @@ class ResponseSender:
             self.metrics.observe("queue", out.queue_seconds)
         if out.handoff_seconds is not None:
             self.metrics.observe("handoff", out.handoff_seconds)
+        self.metrics.request_finished()  # after its observations: a scrape that counts it sees them
         ttft = stream.first_token - stream.arrived if stream.first_token else None
         self.log(dict(request_id=stream.log_id, engine_id=stream.request_id, stream=stream.stream,
                       prompt_tokens=out.prompt_tokens, output_tokens=out.output_tokens,
@@ -254,4 +304,5 @@ class ResponseSender:
                       ttft_ms=round(1000 * ttft, 2) if ttft is not None else None,
                       total_ms=round(1000 * (now - stream.arrived), 2),
                       # from seeing the cancellation to the engine's last output: at most one step
-                      stop_ms=round(1000 * (now - stream.cancel_seen), 2) if stream.cancel_seen else None))
+                      stop_ms=round(1000 * (now - stream.cancel_seen), 2) if stream.cancel_seen else None,
+                      **({"trace": stream.trace} if stream.trace is not None else {})))
