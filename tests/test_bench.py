@@ -244,7 +244,8 @@ def test_stream_gaps_structure(quick_run):
     for c in section["configurations"].values():
         assert len(c["rounds"]) == section["shape"]["rounds"] and len(c["alone_ttft_s"]) == section["shape"]["long_count"]
         for r in c["rounds"]:
-            assert r["events"] == section["shape"]["stream_tokens"]
+            # one event per response: the sender merges a stream's responses it finds queued (a busy host)
+            assert 2 <= r["events"] <= section["shape"]["stream_tokens"]
             assert r["max_gap_ms"] >= r["itl_during_p99_ms"] > 0 and r["itl_alone_p50_ms"] > 0
             parts = r["max_gap_parts"]  # the trace joined the client's events one to one
             assert None not in parts.values()

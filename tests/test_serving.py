@@ -198,7 +198,9 @@ def test_cancellation_frees_the_slots(triton, grpc, exports):
 def test_custom_metrics_are_exported(triton, grpc):
     before = settled_metrics(triton)
     grpc.generate(PROMPT, max_tokens=4, ignore_eos=True)
-    values = metrics(triton)  # at once: the model publishes before a request's last response goes out
+    # the metrics thread publishes as soon as a request ended, off the responses' path
+    values = wait_for_metrics(triton, lambda m: m["kvforge_finished_requests_total"]
+                              > before["kvforge_finished_requests_total"], "the request finished")
     assert values["kvforge_finished_requests_total"] - before["kvforge_finished_requests_total"] == 1
     assert values["kvforge_generated_tokens_total"] - before["kvforge_generated_tokens_total"] == 4
     assert {"kvforge_kv_cache_utilization", "kvforge_kv_cache_bytes_held", "kvforge_running_sequences", "kvforge_waiting_sequences",
