@@ -10,12 +10,13 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from kvforge.manifest import KVDType, ManifestError, ModelSpec
 from export.model import CausalLM, rope_rows_to_halves
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+INDEX_FILE = "model.safetensors.index.json"
 
 
 def read_config(checkpoint: Path) -> dict:
@@ -32,7 +33,22 @@ def read_config(checkpoint: Path) -> dict:
 
 
 def weight_files(checkpoint: Path) -> list[Path]:
-    files = sorted(Path(checkpoint).glob("*.safetensors"))
+    """The checkpoint's safetensors files: the shards model.safetensors.index.json's weight_map
+    names when it exists, else model.safetensors, else every *.safetensors. (Mistral's repositories
+    keep a consolidated.safetensors, the same weights under other names, beside the shards.)"""
+    checkpoint = Path(checkpoint)
+    index = checkpoint / INDEX_FILE
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as e:
+            raise ManifestError(f"{index} has no readable weight_map: {e}") from None
+        missing = [name for name in shards if not (checkpoint / name).is_file()]
+        if missing:
+            raise ManifestError(f"{index} names shards that are not there: {', '.join(missing[:3])}")
+        return [checkpoint / name for name in shards]
+    files = [checkpoint / "model.safetensors"] if (checkpoint / "model.safetensors").is_file() \
+        else sorted(checkpoint.glob("*.safetensors"))
     if not files:
         raise ManifestError(f"{checkpoint} has no *.safetensors weights (pickled .bin files are not loaded)")
     return files
@@ -51,16 +67,15 @@ def fingerprint(checkpoint: Path) -> str:
 def load_model(checkpoint: Path, layout: str, kv: KVDType) -> tuple[ModelSpec, CausalLM]:
     spec = ModelSpec.from_hf_config(read_config(checkpoint))
     model = CausalLM(spec, layout, kv)
+    expected = {k for k in model.state_dict() if not (spec.tie_word_embeddings and k == "lm_head.weight")}
     state: dict[str, torch.Tensor] = {}
     for path in weight_files(checkpoint):
-        state.update(load_file(str(path)))
-    if spec.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    expected = {k for k in model.state_dict() if not (spec.tie_word_embeddings and k == "lm_head.weight")}
+        with safe_open(str(path), framework="pt") as f:  # one tensor at a time: MTP layers and the like stay unread
+            for key in expected.intersection(f.keys()):
+                state[key] = f.get_tensor(key).to(torch.float32)
     missing = sorted(expected - state.keys())
     if missing:
         raise ManifestError(f"{checkpoint} lacks weights the architecture needs, e.g. {missing[:3]}")
-    state = {k: state[k].to(torch.float32) for k in expected}  # MTP layers and the like are not read
     if spec.rope_interleave == "pairs-to-halves":
         permute_rope_rows(spec, state)
     if spec.architecture == "MiniCPM3ForCausalLM":
