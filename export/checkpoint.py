@@ -15,7 +15,10 @@ from safetensors import safe_open
 from kvforge.manifest import KVDType, ManifestError, ModelSpec
 from export.model import CausalLM, rope_rows_to_halves
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# Copied into the export (and on into engines): the tokenizer, the chat template (transformers
+# >= 4.43 saves it as chat_template.jinja, not in tokenizer_config.json) and generation_config.json.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -127,10 +130,21 @@ def tokenizer_info(checkpoint: Path) -> dict:
     if not (checkpoint / "tokenizer.json").is_file():
         raise ManifestError(f"{checkpoint} has no tokenizer.json (a fast tokenizer file is required)")
     cfg = read_config(checkpoint)
-    eos = cfg.get("eos_token_id")
+    generation = checkpoint / "generation_config.json"
+    try:
+        generation_cfg = json.loads(generation.read_text()) if generation.is_file() else {}
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"{generation} is not valid JSON: {e}") from None
+    # Instruct checkpoints list their turn-end tokens (<|eot_id|>, <end_of_turn>) in
+    # generation_config.json only: each of them ends generation too.
+    eos = []
+    for value in (cfg.get("eos_token_id"), generation_cfg.get("eos_token_id")):
+        for token in value if isinstance(value, list) else [value]:
+            if token is not None and int(token) not in eos:
+                eos.append(int(token))
     return {
         "files": [f for f in TOKENIZER_FILES if (checkpoint / f).is_file()],
         "bos_token_id": cfg.get("bos_token_id"),
-        "eos_token_ids": eos if isinstance(eos, list) else ([eos] if eos is not None else []),
+        "eos_token_ids": eos,
         "pad_token_id": cfg.get("pad_token_id"),
     }

@@ -1,7 +1,8 @@
 """The families beyond Llama 2 / Mistral / Qwen2: Llama 3.x (llama3 RoPE), Qwen2 with YaRN, Qwen3
 (q/k norms, linear RoPE) and SmolLM3 (NoPE layers), as tiny Hugging Face checkpoints with random
 weights, exported in both layouts and run by the in-process engine against transformers'
-generate(); sliding windows as transformers applies them."""
+generate(); sliding windows as transformers applies them; instruct checkpoints' files
+(generation_config.json's stop ids, chat_template.jinja, BOS)."""
 from __future__ import annotations
 
 import json
@@ -21,7 +22,8 @@ COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_att
               vocab_size=VOCAB, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 FAMILIES = {
     # Llama 3.1's scaling with a small original length (at theta 10000 and head_dim 16 one frequency
-    # is kept, one smoothed, the rest divided by the factor); sharded, beside a consolidated.safetensors
+    # is kept, one smoothed, the rest divided by the factor); sharded, beside a consolidated.safetensors;
+    # an instruct checkpoint's files (`checkpoints`)
     "llama3.1": ("Llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                              "high_freq_factor": 4.0, "original_max_position_embeddings": ORIGINAL})),
     # Qwen2.5's YaRN (cos/sin x its mscale), biases, tied embeddings; a window that does not apply
@@ -34,6 +36,23 @@ FAMILIES = {
     # layer 1 applies no RoPE; untied (random tied embeddings loop on 4 tokens here; qwen2-yarn ties)
     "smollm3": ("SmolLM3", dict(no_rope_layers=[1, 0], tie_word_embeddings=False)),
 }
+# A chat template in Llama 3.1's manner, using every helper transformers gives templates.
+CHAT_TEMPLATE = """{{- bos_token }}
+{%- set date = strftime_now("%d %b %Y") %}
+{%- if tools is not none %}{{- "Tools: " + tools | tojson(indent=2) + "\\n" }}{% endif %}
+{%- if documents %}{{- "Documents: " + documents | tojson + "\\n" }}{% endif %}
+{%- for message in messages %}
+    {%- if message.role not in ["system", "user", "assistant"] %}{{ raise_exception("unknown role " + message.role) }}{% endif %}
+    {%- if message.role == "system" and not loop.first %}{% continue %}{% endif %}
+    {{- "<|" + message.role + "|>" }}
+    {%- if message.role == "assistant" %}{% generation %}{{ message.content | trim }}{% endgeneration %}
+    {%- else %}{{ message.content | tojson }}{% endif %}
+    {{- "\\n" }}
+    {%- if loop.index == 5 %}{% break %}{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- "<|assistant|>" + ("" if thinking is undefined else "think=" + thinking | string) }}{% endif %}"""
+
+
 def hf_config(family: str):
     import transformers
 
@@ -72,7 +91,10 @@ def greedy_reference(model, prompt: list[int]) -> tuple[list[int], list[float]]:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, tokenizer_dir):
-    """family -> (checkpoint dir, prompt, transformers' greedy tokens, their log-probs)."""
+    """family -> (checkpoint dir, prompt, transformers' greedy tokens, their log-probs). llama3.1 is
+    an instruct checkpoint: a turn-end token in generation_config.json's eos_token_id (the first
+    greedy token from the 6th on that is new in the generation, before any config EOS) and
+    chat_template.jinja."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
@@ -97,7 +119,18 @@ def checkpoints(tmp_path_factory, tokenizer_dir):
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(tokenizer_dir / name, directory / name)
         made[family] = (directory, prompt, *greedy_reference(model, prompt))
+    directory, _, tokens, _ = made["llama3.1"]
+    generation = json.loads((directory / "generation_config.json").read_text())
+    (directory / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [2, turn_end(tokens)]}))
+    (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return made
+
+
+def turn_end(tokens: list[int]) -> int:
+    """The greedy token the instruct checkpoint lists as a turn end."""
+    end = next(i for i in range(5, NEW_TOKENS) if tokens[i] not in tokens[:i])
+    assert 2 not in tokens[:end]
+    return tokens[end]
 
 
 @pytest.fixture(scope="module")
@@ -272,3 +305,80 @@ def test_shards_are_read_through_the_index(checkpoints):
     directory = checkpoints["llama3.1"][0]
     files = weight_files(directory)
     assert len(files) > 1 and "consolidated.safetensors" not in {f.name for f in files}
+
+
+# ---------------------------------------------------------------- instruct checkpoints
+
+
+def test_generation_config_eos_ids_stop_generation(family_exports, checkpoints):
+    from runtime.llm_engine import LLMEngine, SamplingParams
+
+    directory = family_exports("llama3.1")
+    _, prompt, tokens, _ = checkpoints["llama3.1"]
+    end = tokens.index(turn_end(tokens))
+    manifest = Manifest.load(directory)
+    assert manifest.tokenizer["eos_token_ids"] == [2, tokens[end]]
+    assert {"generation_config.json", "chat_template.jinja"} <= set(manifest.tokenizer["files"])
+    assert (directory / "generation_config.json").is_file() and (directory / "chat_template.jinja").is_file()
+    with LLMEngine(directory, threads=1) as engine:
+        result = engine.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS))[0]
+    assert result.token_ids == tokens[:end] and result.finish_reason == "stop"
+
+
+MESSAGES = [{"role": "system", "content": "Be brief. <&>'\u00e9"}, {"role": "user", "content": "def f(x):"},
+            {"role": "assistant", "content": " return x "}, {"role": "system", "content": "skipped"},
+            {"role": "user", "content": "and g?"}, {"role": "user", "content": "after the break"}]
+TOOLS = [{"type": "function", "function": {"name": "z_last", "parameters": {"b": 1, "a": "<é>"}}}]
+
+
+def test_chat_template_renders_as_transformers_with_hf_helpers(family_exports, checkpoints):
+    """chat_template.jinja (over tokenizer_config's template) with strftime_now, tojson (keys in
+    order, no HTML escaping, non-ASCII kept, indent), loopcontrols, {% generation %},
+    raise_exception, tools, documents and extra kwargs: the same text as apply_chat_template."""
+    from transformers import AutoTokenizer
+
+    from frontend.chat_template import ChatTemplate, ChatTemplateError
+
+    directory, checkpoint = family_exports("llama3.1"), checkpoints["llama3.1"][0]
+    template = ChatTemplate(directory)
+    hf = AutoTokenizer.from_pretrained(checkpoint)
+    documents = [{"title": "t", "text": "x > y"}]
+    for kwargs in ({}, {"tools": TOOLS, "documents": documents, "thinking": False}):
+        text = template.render(MESSAGES, **kwargs)
+        assert text == hf.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True, **kwargs)
+    assert '"z_last"' in text and text.index('"b"') < text.index('"a"') and "<é>" in text and "\\u" not in text
+    assert '"x > y"' in text and text.endswith("<|assistant|>think=False")
+    assert "skipped" not in text and "after the break" not in text
+    assert '"Be brief. <&>\'\u00e9"' in text and "<|assistant|>return x\n" in text
+    assert template.render(MESSAGES[:1], add_generation_prompt=False) == '<s><|system|>"Be brief. <&>\'\u00e9"\n'
+    with pytest.raises(ChatTemplateError, match="refused the messages: unknown role tool"):
+        template.render([{"role": "tool", "content": "x"}])
+
+
+def test_no_double_bos_in_engine_and_router(family_exports, checkpoints, tmp_path):
+    """The template writes <s> and the tokenizer's post-processor adds one: the engine keeps one
+    (as apply_chat_template's tokens), and the router, hashing what the engine will hold, the same
+    ids; a plain text still gets the post-processor's BOS."""
+    from transformers import AutoTokenizer
+
+    from engines.repository import write_repository
+    from frontend.chat_template import ChatTemplate
+    from frontend.router import Prompts
+    from runtime.llm_engine import LLMEngine, SamplingParams
+    from runtime.tokenizer import Tokenizer
+
+    directory, checkpoint = family_exports("llama3.1"), checkpoints["llama3.1"][0]
+    text = ChatTemplate(directory).render(MESSAGES)
+    expected = AutoTokenizer.from_pretrained(checkpoint).apply_chat_template(MESSAGES, add_generation_prompt=True,
+                                                                             return_dict=False)
+    tokenizer = Tokenizer(directory, Manifest.load(directory))
+    ids = tokenizer.encode(text)
+    assert ids == list(expected) and ids[0] == 1 and ids[1] != 1
+    assert tokenizer.encode("def f") == [1] + tokenizer.encode("def f", add_special_tokens=False)
+    repo = tmp_path / "repo"
+    write_repository(directory, repo)
+    body = json.dumps({"model": "llm", "messages": MESSAGES, "max_tokens": 4}).encode()
+    routed = Prompts(repo).of_openai("/v1/chat/completions", body)[0][0]
+    assert routed.ids == ids
+    with LLMEngine(directory, threads=1) as engine:
+        assert engine.generate([text], SamplingParams(max_tokens=1))[0].prompt_tokens == len(ids)
