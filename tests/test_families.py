@@ -229,6 +229,12 @@ def test_sliding_windows_as_transformers_applies_them():
         round_trip.to_dict()["model"])))}) == round_trip  # tuples come back from the manifest's JSON lists
 
 
+@pytest.mark.parametrize("arch", ["Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"])
+def test_later_families_stay_refused(arch):
+    with pytest.raises(ManifestError, match=f"unsupported architecture '{arch}'; supported: .*Qwen3ForCausalLM"):
+        ModelSpec.from_hf_config({**COMMON, "architectures": [arch]})
+
+
 def test_windowed_export_is_refused_before_tracing(tmp_path, checkpoints):
     from tests.conftest import run_cli
 
