@@ -10,12 +10,16 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from kvforge.manifest import KVDType, ManifestError, ModelSpec
 from export.model import CausalLM, rope_rows_to_halves
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# Copied into the export (and on into engines): the tokenizer, the chat template (transformers
+# >= 4.43 saves it as chat_template.jinja, not in tokenizer_config.json) and generation_config.json.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+INDEX_FILE = "model.safetensors.index.json"
 
 
 def read_config(checkpoint: Path) -> dict:
@@ -32,7 +36,22 @@ def read_config(checkpoint: Path) -> dict:
 
 
 def weight_files(checkpoint: Path) -> list[Path]:
-    files = sorted(Path(checkpoint).glob("*.safetensors"))
+    """The checkpoint's safetensors files: the shards model.safetensors.index.json's weight_map
+    names when it exists, else model.safetensors, else every *.safetensors. (Mistral's repositories
+    keep a consolidated.safetensors, the same weights under other names, beside the shards.)"""
+    checkpoint = Path(checkpoint)
+    index = checkpoint / INDEX_FILE
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as e:
+            raise ManifestError(f"{index} has no readable weight_map: {e}") from None
+        missing = [name for name in shards if not (checkpoint / name).is_file()]
+        if missing:
+            raise ManifestError(f"{index} names shards that are not there: {', '.join(missing[:3])}")
+        return [checkpoint / name for name in shards]
+    files = [checkpoint / "model.safetensors"] if (checkpoint / "model.safetensors").is_file() \
+        else sorted(checkpoint.glob("*.safetensors"))
     if not files:
         raise ManifestError(f"{checkpoint} has no *.safetensors weights (pickled .bin files are not loaded)")
     return files
@@ -51,16 +70,15 @@ def fingerprint(checkpoint: Path) -> str:
 def load_model(checkpoint: Path, layout: str, kv: KVDType) -> tuple[ModelSpec, CausalLM]:
     spec = ModelSpec.from_hf_config(read_config(checkpoint))
     model = CausalLM(spec, layout, kv)
+    expected = {k for k in model.state_dict() if not (spec.tie_word_embeddings and k == "lm_head.weight")}
     state: dict[str, torch.Tensor] = {}
     for path in weight_files(checkpoint):
-        state.update(load_file(str(path)))
-    if spec.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    expected = {k for k in model.state_dict() if not (spec.tie_word_embeddings and k == "lm_head.weight")}
+        with safe_open(str(path), framework="pt") as f:  # one tensor at a time: MTP layers and the like stay unread
+            for key in expected.intersection(f.keys()):
+                state[key] = f.get_tensor(key).to(torch.float32)
     missing = sorted(expected - state.keys())
     if missing:
         raise ManifestError(f"{checkpoint} lacks weights the architecture needs, e.g. {missing[:3]}")
-    state = {k: state[k].to(torch.float32) for k in expected}  # MTP layers and the like are not read
     if spec.rope_interleave == "pairs-to-halves":
         permute_rope_rows(spec, state)
     if spec.architecture == "MiniCPM3ForCausalLM":
@@ -112,10 +130,21 @@ def tokenizer_info(checkpoint: Path) -> dict:
     if not (checkpoint / "tokenizer.json").is_file():
         raise ManifestError(f"{checkpoint} has no tokenizer.json (a fast tokenizer file is required)")
     cfg = read_config(checkpoint)
-    eos = cfg.get("eos_token_id")
+    generation = checkpoint / "generation_config.json"
+    try:
+        generation_cfg = json.loads(generation.read_text()) if generation.is_file() else {}
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"{generation} is not valid JSON: {e}") from None
+    # Instruct checkpoints list their turn-end tokens (<|eot_id|>, <end_of_turn>) in
+    # generation_config.json only: each of them ends generation too.
+    eos = []
+    for value in (cfg.get("eos_token_id"), generation_cfg.get("eos_token_id")):
+        for token in value if isinstance(value, list) else [value]:
+            if token is not None and int(token) not in eos:
+                eos.append(int(token))
     return {
         "files": [f for f in TOKENIZER_FILES if (checkpoint / f).is_file()],
         "bos_token_id": cfg.get("bos_token_id"),
-        "eos_token_ids": eos if isinstance(eos, list) else ([eos] if eos is not None else []),
+        "eos_token_ids": eos,
         "pad_token_id": cfg.get("pad_token_id"),
     }

@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2) and DeepSeek-V2/V3's Multi-head Latent
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM3) and DeepSeek-V2/V3's Multi-head Latent
 Attention (MLAAttention, dense layers only), written for export with an explicit KV cache.
 
 Module and parameter names match Hugging Face checkpoints, so a safetensors state dict loads
@@ -40,13 +40,6 @@ class RMSNorm(nn.Module):
         return nn.functional.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps)
 
 
-def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [B, S, D/2] for integer positions [B, S]."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    freqs = positions.to(torch.float32)[..., None] * inv_freq
-    return freqs.cos(), freqs.sin()
-
-
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """Rotate x [B, H, S, D] with Hugging Face's half-split convention (interleaved: consecutive
     pairs, DeepSeek-V2's complex form): one ONNX RotaryEmbedding op (opset 23) instead of a dozen
@@ -66,32 +59,49 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: b
     return torch.stack(rotated, dim=-1).flatten(-2) if interleaved else torch.cat(rotated, dim=-1)
 
 
-def yarn_inv_freq(spec: ModelSpec) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [dr/2] and the cos/sin factor of the MLA rotary part: plain RoPE, or
-    yarn as transformers' _compute_yarn_parameters computes it (same float32 ops, so the same bits)."""
-    dim, base = spec.qk_rope_head_dim, spec.rope_theta
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    yarn = spec.rope_scaling
-    if not yarn:
-        return 1.0 / pos_freqs, 1.0
-    factor, original = yarn["factor"], yarn["original_max_position_embeddings"]
+def rope_frequencies(spec: ModelSpec) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [D/2] of the rotary channels (head_dim; MLA: qk_rope_head_dim) and the
+    factor cos/sin are multiplied by: plain RoPE, or the scaling spec.rope_scaling names, computed
+    as transformers 5.24's modeling_rope_utils does (the same float32 ops, so the same bits):
+    linear divides every frequency by the factor; llama3 divides the low frequencies (wavelength
+    beyond original / low_freq_factor) by it, keeps the high ones (below original /
+    high_freq_factor) and blends between; yarn blends interpolated and extrapolated frequencies
+    over a ramp of channels and scales cos/sin by its attention factor (mscale)."""
+    dim = spec.qk_rope_head_dim if spec.attention == "mla" else spec.head_dim
+    base, rope, kind = spec.rope_theta, spec.rope_scaling or {}, spec.rope_type
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim)
+    inv_freq = 1.0 / pos_freqs
+    if kind == "default":
+        return inv_freq, 1.0
+    factor = rope["factor"]
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    original = rope["original_max_position_embeddings"]
+    if kind == "llama3":
+        low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < original / high) * ~(wavelen > original / low)
+        return torch.where(medium, smoothed, scaled), 1.0
 
     def get_mscale(scale, mscale=1.0):
         return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
-    attention_factor = yarn.get("attention_factor")
+    attention_factor = rope.get("attention_factor")
     if attention_factor is None:
-        if yarn.get("mscale") and yarn.get("mscale_all_dim"):
-            attention_factor = float(get_mscale(factor, yarn["mscale"]) / get_mscale(factor, yarn["mscale_all_dim"]))
+        if rope.get("mscale") and rope.get("mscale_all_dim"):
+            attention_factor = float(get_mscale(factor, rope["mscale"]) / get_mscale(factor, rope["mscale_all_dim"]))
         else:
             attention_factor = get_mscale(factor)
-    beta_fast, beta_slow = yarn.get("beta_fast") or 32, yarn.get("beta_slow") or 1
+    beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
 
     def correction_dim(rotations):
         return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
 
     low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if yarn.get("truncate", True):
+    if rope.get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
@@ -102,9 +112,10 @@ def yarn_inv_freq(spec: ModelSpec) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attention_factor)
 
 
-def mla_rotary(positions: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [B, S, dr/2] of the MLA rotary part (yarn's attention factor applied to both)."""
-    inv_freq, factor = yarn_inv_freq(spec)
+def rope_cos_sin(positions: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [B, S, D/2] for integer positions [B, S] (yarn's attention factor applied to both,
+    as transformers applies it)."""
+    inv_freq, factor = rope_frequencies(spec)
     freqs = positions.to(torch.float32)[..., None] * inv_freq
     if factor == 1.0:
         return freqs.cos(), freqs.sin()
@@ -309,14 +320,18 @@ class InplaceStep:
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, layer: int):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         bias = spec.attention_bias
         self.q_proj = nn.Linear(spec.hidden_size, spec.num_heads * spec.head_dim, bias=bias)
         self.k_proj = nn.Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=bias)
         self.v_proj = nn.Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=bias)
-        self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=False)
+        self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=spec.output_bias)
+        if spec.qk_norm:  # Qwen3: one RMSNormalization over head_dim per head (ORT's fused q/k norm is CUDA-only)
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+        self.rope = layer not in spec.nope_layers
         # int8-static KV: calibrated per-channel scales (export/calibrate.py); not checkpoint weights
         scale_shape = (1, spec.num_kv_heads, 1, spec.head_dim)
         self.register_buffer("k_scale", torch.ones(scale_shape), persistent=False)
@@ -326,9 +341,12 @@ class Attention(nn.Module):
                 step: "ConcatStep | InplaceStep") -> tuple[torch.Tensor, list[torch.Tensor]]:
         b, s, _ = x.shape
         q, k, v = packed_linear(x, [self.q_proj, self.k_proj, self.v_proj])
-        q = apply_rotary(q.view(b, s, self.heads, self.head_dim).transpose(1, 2), cos, sin)
-        k = apply_rotary(k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
-        v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = q.view(b, s, self.heads, self.head_dim), k.view(b, s, self.kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        if self.rope:  # SmolLM3's NoPE layers attend without positions
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         new_k = kv_codec.encode(step.rows(k), kv, self.k_scale)
         new_v = kv_codec.encode(step.rows(v), kv, self.v_scale)
@@ -495,10 +513,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = MLAAttention(spec) if spec.attention == "mla" else Attention(spec)
+        self.self_attn = MLAAttention(spec) if spec.attention == "mla" else Attention(spec, layer)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
@@ -512,7 +530,7 @@ class Backbone(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
@@ -540,10 +558,7 @@ class CausalLM(nn.Module):
             positions, write_positions, row_tokens, attention_extent, token_slots, logit_index, *cache = args
             step = InplaceStep(write_positions, row_tokens, attention_extent, token_slots)
             input_ids, position_ids = input_ids[None], positions[None]  # one row of packed tokens
-        if self.spec.attention == "mla":
-            cos, sin = mla_rotary(position_ids, self.spec)
-        else:
-            cos, sin = rotary(position_ids, self.spec.head_dim, self.spec.rope_theta)
+        cos, sin = rope_cos_sin(position_ids, self.spec)
 
         x = self.model.embed_tokens(input_ids)
         presents: list[torch.Tensor] = []

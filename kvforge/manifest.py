@@ -21,8 +21,25 @@ MANIFEST_FILE = "manifest.json"
 MODEL_FILE = "model.onnx"
 OPSET = 24  # TensorScatter (the in-place KV write) needs opset 24
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "MiniCPM3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "SmolLM3ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+                           "MiniCPM3ForCausalLM")
+# RoPE scalings the exporter computes (export.model.rope_frequencies, transformers 5.24's
+# modeling_rope_utils), and the config keys each reads besides rope_theta.
+ROPE_SCALINGS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+             "attention_factor", "truncate"),
+}
+MLA_ROPE_SCALINGS = ("yarn",)  # DeepSeek's softmax scale follows yarn's mscale: the others are not checked there
+# Families whose layers slide only with use_sliding_window (and only those layer_types names),
+# and how transformers 5.24 lays the layer types out when config.json has none.
+WINDOW_FLAGGED = {
+    "Qwen2ForCausalLM": lambda cfg, i: i >= int(cfg.get("max_window_layers", 28)),
+    "Qwen3ForCausalLM": lambda cfg, i: i >= int(cfg.get("max_window_layers", 28)),
+    "SmolLM3ForCausalLM": lambda cfg, i: not smollm3_rope_flags(cfg)[i],
+}
 # Multi-head Latent Attention (DeepSeek-V2/V3; MiniCPM3: the same attention with half-split RoPE,
 # its embedding/residual/logit scalings folded into the weights at load): the cache holds one
 # latent per token and layer.
@@ -163,15 +180,34 @@ class ModelSpec:
     # rope_interleave: interleaved pairs in, half-split out; the exporter permutes those weight rows
     # so the graph runs a half-split RotaryEmbedding and the cache holds what Hugging Face's holds).
     rope_interleave: str = "halves"
-    # yarn parameters as the config gives them (factor, original_max_position_embeddings,
-    # beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor, truncate); None: plain RoPE.
+    # RoPE scaling: {"rope_type": one of ROPE_SCALINGS, and the keys it reads} as transformers
+    # standardizes the config; None: plain RoPE. (MLA manifests of before carry yarn's keys without
+    # rope_type: rope_type says "yarn" for them.)
     rope_scaling: dict | None = None
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of every query and key head, before RoPE
+    nope_layers: tuple[int, ...] = ()  # SmolLM3: the layers that apply no RoPE
+    # Layers that attend over only the last sliding_window positions (i - W < j <= i), as
+    # transformers applies Mistral's and Qwen2/Qwen3's windows; None / (): no layer slides. The
+    # cache is not windowed yet: Manifest refuses a max_seq_len beyond the window.
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.attention not in ATTENTION_KINDS:
             raise ManifestError(f"unknown attention kind {self.attention!r}; choose one of {', '.join(ATTENTION_KINDS)}")
+        for name in ("nope_layers", "sliding_layers"):  # a manifest's JSON gives lists
+            object.__setattr__(self, name, tuple(getattr(self, name)))
 
     __hash__ = None  # rope_scaling is a dict: a spec is compared, never hashed
+
+    @property
+    def rope_type(self) -> str:
+        return (self.rope_scaling or {}).get("rope_type", "yarn") if self.rope_scaling else "default"
+
+    @property
+    def output_bias(self) -> bool:
+        """o_proj's bias: Qwen2's attention biases are q/k/v only; elsewhere attention_bias means all four."""
+        return self.attention_bias and self.architecture != "Qwen2ForCausalLM"
 
     @property
     def qk_head_dim(self) -> int:
@@ -200,30 +236,35 @@ class ModelSpec:
                 f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         if arch in MLA_ARCHITECTURES:
             return cls._from_mla_config(cfg, arch, cache_only)
-        rope = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ManifestError(f"unsupported rope scaling {rope_type!r}; only default RoPE is supported")
-        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        if (cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias")) and not cache_only:
+            raise ManifestError(f"{arch}: only a SiLU MLP without biases is supported "
+                                f"(hidden_act={cfg.get('hidden_act')!r}, mlp_bias={cfg.get('mlp_bias')})")
+        theta, scaling = read_rope(cfg, arch)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
+        layers = int(cfg["num_hidden_layers"])
+        window, sliding = sliding_layers(cfg, arch, layers)
         return cls(
             architecture=arch,
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=layers,
             hidden_size=hidden,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             intermediate_size=int(cfg["intermediate_size"]),
             vocab_size=int(cfg["vocab_size"]),
-            # A sliding window equals full attention up to its length; beyond it we would differ.
-            max_positions=min(int(cfg.get("max_position_embeddings", 2048)),
-                              int(cfg.get("sliding_window") or 1 << 30)),
-            rope_theta=float(theta),
+            max_positions=max_positions(cfg, scaling),
+            rope_theta=theta,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             # Qwen2 has q/k/v biases without saying so in its config.
             attention_bias=bool(cfg.get("attention_bias") or arch == "Qwen2ForCausalLM"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rope_scaling=scaling,
+            qk_norm=arch == "Qwen3ForCausalLM",
+            nope_layers=tuple(i for i, rope in enumerate(smollm3_rope_flags(cfg)) if not rope)
+            if arch == "SmolLM3ForCausalLM" else (),
+            sliding_window=window,
+            sliding_layers=sliding,
         )
 
     @classmethod
@@ -248,21 +289,10 @@ class ModelSpec:
         if (cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias")) and not cache_only:
             raise ManifestError(f"{arch}: only a SiLU MLP without biases is supported "
                                 f"(hidden_act={cfg.get('hidden_act')!r}, mlp_bias={cfg.get('mlp_bias')})")
-        rope = {**(cfg.get("rope_parameters") or {}), **(cfg.get("rope_scaling") or {})}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "yarn", None):
-            raise ManifestError(f"unsupported rope scaling {rope_type!r} for {arch}; default RoPE and yarn are supported"
-                                + (" (longrope, MiniCPM3-4B's: per-channel short/long factors that switch with the "
-                                   "sequence length, is not exported yet)" if rope_type == "longrope" else ""))
-        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        yarn = None
-        if rope_type == "yarn":
-            keys = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
-                    "mscale_all_dim", "attention_factor", "truncate")
-            yarn = {k: rope[k] for k in keys if rope.get(k) is not None}
-            if "original_max_position_embeddings" not in yarn:
-                raise ManifestError(f"{arch}: yarn rope_scaling needs original_max_position_embeddings")
-            yarn.setdefault("factor", cfg["max_position_embeddings"] / yarn["original_max_position_embeddings"])
+        theta, yarn = read_rope(cfg, arch)
+        if yarn is not None and yarn["rope_type"] not in MLA_ROPE_SCALINGS:
+            raise ManifestError(f"unsupported rope scaling {yarn['rope_type']!r} for {arch}; default RoPE and yarn "
+                                "are supported")
         if arch == "DeepseekV2ForCausalLM":
             interleave = "pairs"  # complex multiplication of consecutive pairs
         elif arch == "MiniCPM3ForCausalLM":
@@ -274,7 +304,7 @@ class ModelSpec:
         return cls(
             architecture=arch, num_layers=layers, hidden_size=int(cfg["hidden_size"]), num_heads=heads,
             num_kv_heads=1, head_dim=r + dr, intermediate_size=int(cfg["intermediate_size"]),
-            vocab_size=int(cfg["vocab_size"]), max_positions=int(cfg.get("max_position_embeddings", 2048)),
+            vocab_size=int(cfg["vocab_size"]), max_positions=max_positions(cfg, yarn),
             rope_theta=theta, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             attention_bias=bool(cfg.get("attention_bias")),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -282,6 +312,73 @@ class ModelSpec:
             q_lora_rank=int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None,
             qk_nope_head_dim=int(cfg["qk_nope_head_dim"]), qk_rope_head_dim=dr,
             v_head_dim=int(cfg["v_head_dim"]), rope_interleave=interleave, rope_scaling=yarn)
+
+
+def read_rope(cfg: dict, arch: str) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) as transformers 5.24 reads them: config.json's `rope_scaling`
+    (transformers 4) or else `rope_parameters` (5: rope_theta inside), rope_theta from that dict
+    before the top-level one, a top-level original_max_position_embeddings (Phi-3's place) before
+    the dict's, which defaults to max_position_embeddings; yarn's factor defaults to their ratio."""
+    rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if kind not in ("default", *ROPE_SCALINGS):
+        raise ManifestError(
+            f"unsupported rope scaling {kind!r} for {arch}; supported: default, {', '.join(ROPE_SCALINGS)}"
+            + (" (longrope, Phi-3's and MiniCPM3-4B's: per-channel short/long factors that switch with the "
+               "sequence length, is not exported yet)" if kind == "longrope" else ""))
+    if rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ManifestError(f"{arch}: partial_rotary_factor (RoPE on part of each head) is not exported yet")
+    if kind == "default":
+        return theta, None
+    if kind in ("llama3", "yarn"):
+        rope["original_max_position_embeddings"] = int(cfg.get("original_max_position_embeddings")
+                                                       or rope.get("original_max_position_embeddings")
+                                                       or cfg["max_position_embeddings"])
+    if kind == "yarn" and rope.get("factor") is None:
+        rope["factor"] = cfg["max_position_embeddings"] / rope["original_max_position_embeddings"]
+    scaling = {"rope_type": kind, **{k: rope[k] for k in ROPE_SCALINGS[kind] if rope.get(k) is not None}}
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k in ROPE_SCALINGS[kind] and k not in scaling]
+    if missing:
+        raise ManifestError(f"{arch}: {kind} rope scaling needs {', '.join(missing)}")
+    return theta, scaling
+
+
+def max_positions(cfg: dict, scaling: dict | None) -> int:
+    """max_position_embeddings; for yarn at least original x factor, the context yarn stretches
+    to (Qwen2.5's cards add yarn to a config of 32,768 positions to reach 131,072: vLLM reads it so)."""
+    positions = int(cfg.get("max_position_embeddings", 2048))
+    if scaling and scaling["rope_type"] == "yarn":
+        positions = max(positions, int(scaling["original_max_position_embeddings"] * scaling["factor"]))
+    return positions
+
+
+def smollm3_rope_flags(cfg: dict) -> list[int]:
+    """SmolLM3's no_rope_layers (1 = RoPE, 0 = none), or transformers' default: no RoPE in every
+    no_rope_layer_interval-th layer."""
+    layers, interval = int(cfg["num_hidden_layers"]), int(cfg.get("no_rope_layer_interval", 4))
+    flags = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(flags) != layers:
+        raise ManifestError(f"no_rope_layers has {len(flags)} entries for {layers} layers")
+    return [int(f) for f in flags]
+
+
+def sliding_layers(cfg: dict, arch: str, layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """(window, the layers that slide) as transformers 5.24 applies sliding_window: Mistral's to
+    every layer; Qwen2's, Qwen3's and SmolLM3's only with use_sliding_window, to the layers
+    layer_types names sliding_attention (by default Qwen's from max_window_layers on, SmolLM3's
+    layers without RoPE); Llama's never. (None, ()) when no layer slides."""
+    window = cfg.get("sliding_window")
+    if not window or arch not in ("MistralForCausalLM", *WINDOW_FLAGGED):
+        return None, ()
+    if arch == "MistralForCausalLM":
+        return int(window), tuple(range(layers))
+    if not cfg.get("use_sliding_window"):
+        return None, ()
+    types = cfg.get("layer_types") or ["sliding_attention" if WINDOW_FLAGGED[arch](cfg, i) else "full_attention"
+                                       for i in range(layers)]
+    sliding = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    return (int(window), sliding) if sliding else (None, ())
 
 
 def check_attention_dtype(spec: ModelSpec, dtype: str) -> None:
@@ -474,6 +571,15 @@ class Manifest:
             raise ManifestError(
                 f"max_seq_len must be in 1..{self.model.max_positions} (the model's positions), "
                 f"got {self.max_seq_len}")
+        window = self.model.sliding_window
+        if window is not None and self.max_seq_len > window:
+            layers = self.model.sliding_layers
+            raise ManifestError(
+                f"{self.model.architecture}: {len(layers)} of {self.model.num_layers} layers (the first: layer "
+                f"{layers[0]}) attend over a sliding window of "
+                f"{window} tokens and windowed KV caches are not supported yet, so an engine of max_seq_len "
+                f"{self.max_seq_len} would attend beyond it and differ from the checkpoint; export with "
+                f"--max-seq-len {window} or less (up to the window, full attention is exact)")
 
     @property
     def kv(self) -> KVDType:

@@ -19,14 +19,24 @@ class Tokenizer:
             raise ManifestError(f"{path} is missing; the engine dir needs the exported tokenizer.json")
         self._tok = tokenizers.Tokenizer.from_file(str(path))
         self.eos_token_ids = tuple(manifest.tokenizer.get("eos_token_ids") or ())
+        bos = manifest.tokenizer.get("bos_token_id")
+        # the BOS the post-processor puts before every text, if it does
+        self._added_bos = bos if bos is not None and self._tok.encode("").ids[:1] == [bos] else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        # the tokenizer.json's own post-processor decides about BOS, as in the model's training.
-        # encode_batch releases the GIL while it works and encode does not: a 250K-character
-        # prompt held every other thread of the process (the response sender, the engine's step
-        # loop) for 170-260 ms; through encode_batch the longest pause seen was 7 ms
-        # (tests/test_runtime.py test_encoding_releases_the_gil).
-        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        """The one encoding of a prompt: the engine's and the router's (its block hashes name the
+        engine's tokens). The tokenizer.json's own post-processor decides about BOS, as in the
+        model's training, except that a text that already begins with BOS keeps that one: chat
+        templates (Llama 3, Gemma) write it themselves, and a second would be a token the model
+        never saw there (transformers' apply_chat_template adds no special tokens).
+        encode_batch releases the GIL while it works and encode does not: a 250K-character prompt
+        held every other thread of the process (the response sender, the engine's step loop) for
+        170-260 ms; through encode_batch the longest pause seen was 7 ms
+        (tests/test_runtime.py test_encoding_releases_the_gil)."""
+        ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        if add_special_tokens and self._added_bos is not None and ids[:2] == [self._added_bos] * 2:
+            return ids[1:]
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

@@ -1,0 +1,390 @@
+"""The families beyond Llama 2 / Mistral / Qwen2: Llama 3.x (llama3 RoPE), Qwen2 with YaRN, Qwen3
+(q/k norms, linear RoPE) and SmolLM3 (NoPE layers), as tiny Hugging Face checkpoints with random
+weights, exported in both layouts and run by the in-process engine against transformers'
+generate(); sliding windows as transformers applies them; instruct checkpoints' files
+(generation_config.json's stop ids, chat_template.jinja, BOS)."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from kvforge.manifest import Manifest, ManifestError, ModelSpec
+from tests.conftest import ROOT
+
+VOCAB = 4096  # models/stdlib-llama's tokenizer
+ORIGINAL = 32  # original_max_position_embeddings: the generation runs past it
+PROMPT_TOKENS, NEW_TOKENS = 20, 44  # positions 0..63
+LOGPROB_TOLERANCE = 2e-3
+COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=VOCAB, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+FAMILIES = {
+    # Llama 3.1's scaling with a small original length (at theta 10000 and head_dim 16 one frequency
+    # is kept, one smoothed, the rest divided by the factor); sharded, beside a consolidated.safetensors;
+    # an instruct checkpoint's files (`checkpoints`)
+    "llama3.1": ("Llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": ORIGINAL})),
+    # Qwen2.5's YaRN (cos/sin x its mscale), biases, tied embeddings; a window that does not apply
+    # (use_sliding_window false), shorter than the generation
+    "qwen2-yarn": ("Qwen2", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                               "original_max_position_embeddings": ORIGINAL},
+                                 tie_word_embeddings=True, sliding_window=24, use_sliding_window=False)),
+    # q/k RMSNorm per head, an explicit head_dim unlike hidden / heads, linear scaling
+    "qwen3-linear": ("Qwen3", dict(head_dim=32, rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    # layer 1 applies no RoPE; untied (random tied embeddings loop on 4 tokens here; qwen2-yarn ties)
+    "smollm3": ("SmolLM3", dict(no_rope_layers=[1, 0], tie_word_embeddings=False)),
+}
+# A chat template in Llama 3.1's manner, using every helper transformers gives templates.
+CHAT_TEMPLATE = """{{- bos_token }}
+{%- set date = strftime_now("%d %b %Y") %}
+{%- if tools is not none %}{{- "Tools: " + tools | tojson(indent=2) + "\\n" }}{% endif %}
+{%- if documents %}{{- "Documents: " + documents | tojson + "\\n" }}{% endif %}
+{%- for message in messages %}
+    {%- if message.role not in ["system", "user", "assistant"] %}{{ raise_exception("unknown role " + message.role) }}{% endif %}
+    {%- if message.role == "system" and not loop.first %}{% continue %}{% endif %}
+    {{- "<|" + message.role + "|>" }}
+    {%- if message.role == "assistant" %}{% generation %}{{ message.content | trim }}{% endgeneration %}
+    {%- else %}{{ message.content | tojson }}{% endif %}
+    {{- "\\n" }}
+    {%- if loop.index == 5 %}{% break %}{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- "<|assistant|>" + ("" if thinking is undefined else "think=" + thinking | string) }}{% endif %}"""
+
+
+def hf_config(family: str):
+    import transformers
+
+    prefix, overrides = FAMILIES[family]
+    config = getattr(transformers, f"{prefix}Config")(**{**COMMON, **overrides})
+    config.architectures = [f"{prefix}ForCausalLM"]
+    return config
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    """models/stdlib-llama's tokenizer with a post-processor that puts <s> before every text, as
+    Llama 3's and Gemma's do."""
+    from tokenizers import Tokenizer, processors
+
+    tokenizer = Tokenizer.from_file(str(ROOT / "models" / "stdlib-llama" / "tokenizer.json"))
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    directory = tmp_path_factory.mktemp("families-tokenizer")
+    tokenizer.save(str(directory / "tokenizer.json"))
+    shutil.copy(ROOT / "models" / "stdlib-llama" / "tokenizer_config.json", directory / "tokenizer_config.json")
+    return directory
+
+
+def greedy_reference(model, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """transformers' cached greedy generate(), NEW_TOKENS tokens whatever they are, and each one's log p."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True,
+                             eos_token_id=None, pad_token_id=0)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    logprobs = [float(torch.log_softmax(logits[0].double(), -1)[t]) for logits, t in zip(out.logits, tokens)]
+    return tokens, logprobs
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, tokenizer_dir):
+    """family -> (checkpoint dir, prompt, transformers' greedy tokens, their log-probs). llama3.1 is
+    an instruct checkpoint: a turn-end token in generation_config.json's eos_token_id (the first
+    greedy token from the 6th on that is new in the generation, before any config EOS) and
+    chat_template.jinja."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("families-checkpoints")
+    prompt = np.random.default_rng(0).integers(3, VOCAB, PROMPT_TOKENS).tolist()
+    made = {}
+    for family in FAMILIES:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(hf_config(family)).eval()
+        with torch.no_grad():  # logits that spread over a few units: no near-ties among greedy tokens
+            for name, p in model.named_parameters():
+                p.normal_(1.0, 0.1) if p.dim() == 1 and "norm" in name else p.normal_(0.0, 0.1)
+        directory = root / family
+        if family == "llama3.1":  # shards and their index, and Mistral-style consolidated weights beside them
+            model.save_pretrained(directory, max_shard_size="200KB")
+            assert (directory / "model.safetensors.index.json").is_file()
+            save_file({k: torch.zeros_like(v) for k, v in model.state_dict().items()},
+                      str(directory / "consolidated.safetensors"))
+        else:
+            model.save_pretrained(directory)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(tokenizer_dir / name, directory / name)
+        made[family] = (directory, prompt, *greedy_reference(model, prompt))
+    directory, _, tokens, _ = made["llama3.1"]
+    generation = json.loads((directory / "generation_config.json").read_text())
+    (directory / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [2, turn_end(tokens)]}))
+    (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return made
+
+
+def turn_end(tokens: list[int]) -> int:
+    """The greedy token the instruct checkpoint lists as a turn end."""
+    end = next(i for i in range(5, NEW_TOKENS) if tokens[i] not in tokens[:i])
+    assert 2 not in tokens[:end]
+    return tokens[end]
+
+
+@pytest.fixture(scope="module")
+def family_exports(tmp_path_factory, checkpoints):
+    """family_exports(family, layout) -> export dir, made once (what `python -m export` runs)."""
+    from export.__main__ import export
+
+    root = tmp_path_factory.mktemp("families-exports")
+    made = {}
+
+    def make(family, layout="inplace"):
+        if (family, layout) not in made:
+            out = root / f"{family}-{layout}"
+            export(str(checkpoints[family][0]), out, layout, "fp32", 128)
+            made[family, layout] = out
+        return made[family, layout]
+
+    return make
+
+
+# ---------------------------------------------------------------- the config facts
+
+
+def test_rope_frequencies_are_transformers_bits():
+    """One implementation of every scaling (MLA's yarn included) gives transformers' inverse
+    frequencies bit for bit and its cos/sin factor, from either config form."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from export.model import rope_frequencies
+
+    for family in FAMILIES:
+        config = hf_config(family)
+        rope = config.rope_parameters
+        spec = ModelSpec.from_hf_config(config.to_dict())
+        assert spec.rope_type == rope["rope_type"]
+        if rope["rope_type"] == "default":
+            continue
+        expected, factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config)
+        got, got_factor = rope_frequencies(spec)
+        assert got.dtype == expected.dtype and bool((got == expected).all()) and got_factor == factor
+    # transformers 4's rope_scaling beside a rope_theta, and 5's rope_parameters holding it: the same spec
+    old = {**hf_config("llama3.1").to_dict(), "rope_theta": 5e5}
+    old["rope_scaling"] = {k: v for k, v in old.pop("rope_parameters").items() if k != "rope_theta"}
+    new = hf_config("llama3.1").to_dict()
+    new["rope_parameters"]["rope_theta"] = 5e5
+    assert ModelSpec.from_hf_config(old) == ModelSpec.from_hf_config(new)
+    assert ModelSpec.from_hf_config(new).rope_theta == 5e5
+    yarn = ModelSpec.from_hf_config(hf_config("qwen2-yarn").to_dict())
+    assert yarn.max_positions == 256 and yarn.rope_scaling["factor"] == 4.0  # max(256, 32 x 4)
+    qwen25 = {**hf_config("qwen2-yarn").to_dict(), "max_position_embeddings": 32768,
+              "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    assert ModelSpec.from_hf_config(qwen25).max_positions == 131072  # what Qwen2.5's model card stretches to
+    with pytest.raises(ManifestError, match="unsupported rope scaling 'longrope'.*Phi-3"):
+        ModelSpec.from_hf_config({**COMMON, "architectures": ["LlamaForCausalLM"],
+                                  "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8}})
+    with pytest.raises(ManifestError, match="llama3 rope scaling needs low_freq_factor"):
+        ModelSpec.from_hf_config({**COMMON, "architectures": ["LlamaForCausalLM"],
+                                  "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}})
+
+
+def _spec(prefix: str, **overrides) -> ModelSpec:
+    return ModelSpec.from_hf_config({**COMMON, "architectures": [f"{prefix}ForCausalLM"], **overrides})
+
+
+def test_sliding_windows_as_transformers_applies_them():
+    """Qwen2/Qwen3 slide only with use_sliding_window, and only the layers from max_window_layers
+    (or as layer_types says); Mistral slides every layer; no slide, no cap. Where layers slide, a
+    max_seq_len beyond the window is refused (the cache is not windowed yet), within it exact."""
+    for prefix in ("Qwen2", "Qwen3"):
+        off = _spec(prefix, sliding_window=24, use_sliding_window=False, max_window_layers=0)
+        assert (off.sliding_window, off.max_positions) == (None, 256)
+        on = _spec(prefix, sliding_window=24, use_sliding_window=True, max_window_layers=1)
+        assert (on.sliding_window, on.sliding_layers) == (24, (1,))
+        beyond = _spec(prefix, sliding_window=24, use_sliding_window=True, max_window_layers=2)
+        assert beyond.sliding_window is None  # max_window_layers >= layers: no layer slides
+        typed = _spec(prefix, sliding_window=24, use_sliding_window=True,
+                      layer_types=["sliding_attention", "full_attention"])
+        assert typed.sliding_layers == (0,)
+    assert _spec("Mistral", sliding_window=24).sliding_layers == (0, 1)
+    assert _spec("Mistral", sliding_window=None).sliding_window is None
+    assert _spec("Llama", sliding_window=24).sliding_window is None  # Llama has no windows
+    smol = _spec("SmolLM3", no_rope_layers=[1, 0], sliding_window=24, use_sliding_window=True)
+    assert (smol.nope_layers, smol.sliding_layers) == ((1,), (1,))  # transformers slides its NoPE layers
+
+    def manifest(spec, max_seq_len):
+        return Manifest(model=spec, kv_layout="inplace", kv_dtype="fp32", max_seq_len=max_seq_len,
+                        tokenizer={}, source={}, versions={})
+
+    assert manifest(off, 256).max_seq_len == 256
+    assert manifest(on, 24).max_seq_len == 24
+    with pytest.raises(ManifestError, match="1 of 2 layers.*sliding window of 24 tokens.*windowed KV caches are not "
+                                            "supported yet.*--max-seq-len 24 or less"):
+        manifest(on, 25)
+    round_trip = manifest(_spec("Mistral", sliding_window=64), 64)
+    assert Manifest(**{**round_trip.__dict__, "model": ModelSpec(**json.loads(json.dumps(
+        round_trip.to_dict()["model"])))}) == round_trip  # tuples come back from the manifest's JSON lists
+
+
+@pytest.mark.parametrize("arch", ["Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"])
+def test_later_families_stay_refused(arch):
+    with pytest.raises(ManifestError, match=f"unsupported architecture '{arch}'; supported: .*Qwen3ForCausalLM"):
+        ModelSpec.from_hf_config({**COMMON, "architectures": [arch]})
+
+
+def test_windowed_export_is_refused_before_tracing(tmp_path, checkpoints):
+    from tests.conftest import run_cli
+
+    directory = tmp_path / "qwen2-windowed"
+    shutil.copytree(checkpoints["qwen2-yarn"][0], directory)
+    config = json.loads((directory / "config.json").read_text())
+    config.update(use_sliding_window=True, sliding_window=24, max_window_layers=1, layer_types=None)
+    (directory / "config.json").write_text(json.dumps(config))
+    result = run_cli("export", "--model", str(directory), "--out", str(tmp_path / "o"), "--max-seq-len", "100")
+    assert result.returncode == 2 and "sliding window of 24 tokens" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------- parity with transformers' generate()
+
+
+def runner_greedy(directory, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """Greedy on the export's runner alone (LLMEngine batches in place only): tokens and log p."""
+    from runtime.greedy import Greedy
+    from runtime.runners import open_runner
+
+    run = Greedy(open_runner(directory, threads=1), [prompt], NEW_TOKENS)
+    run.prefill(every_position=False)
+    tokens, logprobs = [], []
+    for i in range(NEW_TOKENS):
+        shifted = run.last[0].astype(np.float64) - run.last[0].max()
+        tokens.append(int(shifted.argmax()))
+        logprobs.append(float(shifted[tokens[-1]] - np.log(np.exp(shifted).sum())))
+        if i + 1 < NEW_TOKENS:
+            run.step()
+    return tokens, logprobs
+
+
+@pytest.mark.parametrize("layout", ["inplace", "concat"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_export_generates_what_transformers_generates(family_exports, checkpoints, family, layout):
+    """Greedy past original_max_position_embeddings, the prompt in one call, then decode: through
+    LLMEngine (in place) or the runner (concat), the same tokens as transformers' generate() and
+    log-probs within LOGPROB_TOLERANCE."""
+    from runtime.llm_engine import LLMEngine, SamplingParams
+
+    _, prompt, tokens, logprobs = checkpoints[family]
+    directory = family_exports(family, layout)
+    if layout == "inplace":
+        with LLMEngine(directory, threads=1, prefix_cache=False) as engine:
+            params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True)
+            result = engine.generate([prompt], params)[0]
+        got = result.token_ids, result.logprobs
+    else:
+        got = runner_greedy(directory, prompt)
+    assert got[0] == tokens
+    assert len(set(tokens)) > 8  # not a degenerate loop
+    assert max(abs(a - b) for a, b in zip(got[1], logprobs)) <= LOGPROB_TOLERANCE
+
+
+def test_qwen3_norms_stay_standard_ops(family_exports):
+    """q/k norms are RMSNormalization nodes (two per layer beside the two layer norms and the
+    final one), never ORT's CUDA-only fused q/k norm; SmolLM3's NoPE layer has no RotaryEmbedding."""
+    import onnx
+
+    from kvforge.onnx_graphs import all_nodes
+
+    qwen3 = [n for n in all_nodes(onnx.load(str(family_exports("qwen3-linear") / "model.onnx")).graph)]
+    assert [n.op_type for n in qwen3].count("RMSNormalization") == 2 * 4 + 1
+    assert {n.domain for n in qwen3} <= {"", "ai.onnx"}
+    smol = [n.op_type for n in all_nodes(onnx.load(str(family_exports("smollm3") / "model.onnx")).graph)]
+    assert smol.count("RotaryEmbedding") == 2  # layer 0's query and key
+
+
+def test_shards_are_read_through_the_index(checkpoints):
+    """The llama3.1 checkpoint's zeroed consolidated.safetensors is not read (the parity test would fail)."""
+    from export.checkpoint import weight_files
+
+    directory = checkpoints["llama3.1"][0]
+    files = weight_files(directory)
+    assert len(files) > 1 and "consolidated.safetensors" not in {f.name for f in files}
+
+
+# ---------------------------------------------------------------- instruct checkpoints
+
+
+def test_generation_config_eos_ids_stop_generation(family_exports, checkpoints):
+    from runtime.llm_engine import LLMEngine, SamplingParams
+
+    directory = family_exports("llama3.1")
+    _, prompt, tokens, _ = checkpoints["llama3.1"]
+    end = tokens.index(turn_end(tokens))
+    manifest = Manifest.load(directory)
+    assert manifest.tokenizer["eos_token_ids"] == [2, tokens[end]]
+    assert {"generation_config.json", "chat_template.jinja"} <= set(manifest.tokenizer["files"])
+    assert (directory / "generation_config.json").is_file() and (directory / "chat_template.jinja").is_file()
+    with LLMEngine(directory, threads=1) as engine:
+        result = engine.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS))[0]
+    assert result.token_ids == tokens[:end] and result.finish_reason == "stop"
+
+
+MESSAGES = [{"role": "system", "content": "Be brief. <&>'\u00e9"}, {"role": "user", "content": "def f(x):"},
+            {"role": "assistant", "content": " return x "}, {"role": "system", "content": "skipped"},
+            {"role": "user", "content": "and g?"}, {"role": "user", "content": "after the break"}]
+TOOLS = [{"type": "function", "function": {"name": "z_last", "parameters": {"b": 1, "a": "<é>"}}}]
+
+
+def test_chat_template_renders_as_transformers_with_hf_helpers(family_exports, checkpoints):
+    """chat_template.jinja (over tokenizer_config's template) with strftime_now, tojson (keys in
+    order, no HTML escaping, non-ASCII kept, indent), loopcontrols, {% generation %},
+    raise_exception, tools, documents and extra kwargs: the same text as apply_chat_template."""
+    from transformers import AutoTokenizer
+
+    from frontend.chat_template import ChatTemplate, ChatTemplateError
+
+    directory, checkpoint = family_exports("llama3.1"), checkpoints["llama3.1"][0]
+    template = ChatTemplate(directory)
+    hf = AutoTokenizer.from_pretrained(checkpoint)
+    documents = [{"title": "t", "text": "x > y"}]
+    for kwargs in ({}, {"tools": TOOLS, "documents": documents, "thinking": False}):
+        text = template.render(MESSAGES, **kwargs)
+        assert text == hf.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True, **kwargs)
+    assert '"z_last"' in text and text.index('"b"') < text.index('"a"') and "<é>" in text and "\\u" not in text
+    assert '"x > y"' in text and text.endswith("<|assistant|>think=False")
+    assert "skipped" not in text and "after the break" not in text
+    assert '"Be brief. <&>\'\u00e9"' in text and "<|assistant|>return x\n" in text
+    assert template.render(MESSAGES[:1], add_generation_prompt=False) == '<s><|system|>"Be brief. <&>\'\u00e9"\n'
+    with pytest.raises(ChatTemplateError, match="refused the messages: unknown role tool"):
+        template.render([{"role": "tool", "content": "x"}])
+
+
+def test_no_double_bos_in_engine_and_router(family_exports, checkpoints, tmp_path):
+    """The template writes <s> and the tokenizer's post-processor adds one: the engine keeps one
+    (as apply_chat_template's tokens), and the router, hashing what the engine will hold, the same
+    ids; a plain text still gets the post-processor's BOS."""
+    from transformers import AutoTokenizer
+
+    from engines.repository import write_repository
+    from frontend.chat_template import ChatTemplate
+    from frontend.router import Prompts
+    from runtime.llm_engine import LLMEngine, SamplingParams
+    from runtime.tokenizer import Tokenizer
+
+    directory, checkpoint = family_exports("llama3.1"), checkpoints["llama3.1"][0]
+    text = ChatTemplate(directory).render(MESSAGES)
+    expected = AutoTokenizer.from_pretrained(checkpoint).apply_chat_template(MESSAGES, add_generation_prompt=True,
+                                                                             return_dict=False)
+    tokenizer = Tokenizer(directory, Manifest.load(directory))
+    ids = tokenizer.encode(text)
+    assert ids == list(expected) and ids[0] == 1 and ids[1] != 1
+    assert tokenizer.encode("def f") == [1] + tokenizer.encode("def f", add_special_tokens=False)
+    repo = tmp_path / "repo"
+    write_repository(directory, repo)
+    body = json.dumps({"model": "llm", "messages": MESSAGES, "max_tokens": 4}).encode()
+    routed = Prompts(repo).of_openai("/v1/chat/completions", body)[0][0]
+    assert routed.ids == ids
+    with LLMEngine(directory, threads=1) as engine:
+        assert engine.generate([text], SamplingParams(max_tokens=1))[0].prompt_tokens == len(ids)
