@@ -1,9 +1,13 @@
-"""Shared fixtures, made once per test session: real exports of the tiny preset, a real tritonserver."""
+"""Shared fixtures, made once per test session: real exports of the tiny preset, a real tritonserver.
+And the run's leftovers: what tests make outside pytest's tmp_path goes under run folders that a
+reaper process removes when this pytest ends, however it ends (a SIGKILL included)."""
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +17,36 @@ ROOT = Path(__file__).resolve().parents[1]
 SERVING_CONTEXT = 2048
 SERVING_SLOTS = 10
 PATIENCE = 120.0  # seconds: what `patient` gives a load or a Redis command (a hang bound, not a speed)
+SHARED_MEMORY = Path("/dev/shm")
+
+# Blocks until pytest is gone (its end of the pipe closes, whatever killed it), lets the children
+# that die with it go (PR_SET_PDEATHSIG), then removes the run folders.
+_REAPER = ("import shutil, sys, time\n"
+           "sys.stdin.buffer.read()\n"
+           "time.sleep(2)\n"
+           "for folder in sys.argv[1:]:\n"
+           "    shutil.rmtree(folder, ignore_errors=True)\n")
+_REAPER_PIPE = pytest.StashKey[int]()
+
+
+def pytest_sessionstart(session):
+    """This run's temporary files go in run folders: TMPDIR (the launchers' kvforge-server-*,
+    kvforge-redis-cluster-*, the prefill workers' sockets, and every child's) and, for in-process
+    engines, the hand-off root in /dev/shm (kvforge-pd-*). pytest's own tmp_path stays where it was
+    (its last runs are kept for a look after a failure)."""
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    folders = [Path(tempfile.mkdtemp(prefix=f"kvforge-test-{os.getpid()}-"))]
+    if SHARED_MEMORY.is_dir():
+        folders.append(Path(tempfile.mkdtemp(prefix=f"kvforge-test-{os.getpid()}-", dir=SHARED_MEMORY)))
+        import runtime.disaggregation
+
+        runtime.disaggregation.DEFAULT_ROOT = folders[-1]
+    os.environ["TMPDIR"] = tempfile.tempdir = str(folders[0])
+    read, write = os.pipe()
+    subprocess.Popen([sys.executable, "-S", "-c", _REAPER, *map(str, folders)], stdin=read,
+                     start_new_session=True)  # its own session: a Ctrl-C of the run does not reach it
+    os.close(read)
+    session.config.stash[_REAPER_PIPE] = write  # open until this process ends
 
 
 def run_cli(*args: str, check: bool = False, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -62,15 +96,18 @@ def triton(exports, tmp_path_factory):
 def patient(monkeypatch):
     """Pins what only speed would decide, for tests of the KV tiers that are about something
     else: a load from disk / Redis is never given up at its recompute deadline, never skipped on
-    a bandwidth estimate made before the tier measured itself, and a Redis command does not time
-    out. Hits are then exact. (Through a tritonserver nothing can be pinned.)"""
+    an estimate of its time (a tier's measured latency, or its bandwidth before it measured
+    itself), and a Redis command does not time out. Hits are then exact: from disk, Redis and a prefill worker's hand-off. (Through a
+    tritonserver nothing can be pinned.)"""
     import runtime.kv.tiers.base as tier_base
     import runtime.kv.tiers.redis as redis_tier
     import runtime.scheduler as scheduler
+    from runtime.kv.tiers.lower import LowerTiers
 
     monkeypatch.setattr(scheduler, "LOAD_DEADLINE_FLOOR", PATIENCE)
     monkeypatch.setattr(scheduler, "LOAD_DEADLINE_UNMEASURED", PATIENCE)
-    monkeypatch.setattr(tier_base, "INITIAL_BANDWIDTH", {"disk": math.inf, "redis": math.inf})
+    monkeypatch.setattr(tier_base, "INITIAL_BANDWIDTH", {"disk": math.inf, "redis": math.inf, "handoff": math.inf})
+    monkeypatch.setattr(LowerTiers, "estimate", lambda self, tier, blocks: 0.0)  # a measured latency skips no load
     monkeypatch.setattr(redis_tier, "REDIS_TIMEOUT_SECONDS", PATIENCE)
 
 
