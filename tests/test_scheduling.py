@@ -102,22 +102,23 @@ def test_decoding_rows_are_in_every_step_and_prompts_always_advance(fp32):
     budget = 32
     with LLMEngine(fp32, slots=8, prefill_budget=budget) as engine:  # 8: a spare row to move rows through
         spy = StepSpy(engine)
-        started, done = threading.Semaphore(0), threading.Semaphore(0)
+        done, started = threading.Semaphore(0), []
+        streams, long_prompts = prompts(2, (20, 24)), prompts(3, (300, 200))
 
         def watch(out):
-            if len(out.token_ids) == 1:
-                started.release()
             if out.finished:
                 done.release()
 
-        streams = prompts(2, (20, 24))
+        def stream_started(out):
+            if out.token_ids and out.request_id not in started:
+                started.append(out.request_id)
+                if len(started) == len(streams):  # both decode: the long prompts arrive at this step
+                    for p in long_prompts:  # (the engine thread, between two steps: whatever the speed)
+                        engine.submit(p, SamplingParams(max_tokens=4, ignore_eos=True), watch)
+            watch(out)
+
         for p in streams:  # two streams decoding long answers
-            engine.submit(p, SamplingParams(max_tokens=120, ignore_eos=True), watch)
-        for _ in streams:
-            assert started.acquire(timeout=120)
-        long_prompts = prompts(3, (300, 200))
-        for p in long_prompts:
-            engine.submit(p, SamplingParams(max_tokens=4, ignore_eos=True), watch)
+            engine.submit(p, SamplingParams(max_tokens=120, ignore_eos=True), stream_started)
         for _ in streams + long_prompts:
             assert done.acquire(timeout=300)
         stats = engine.stats()
