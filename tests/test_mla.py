@@ -317,7 +317,7 @@ def test_continuous_batching_equals_solo(mla_exports):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "int8"])
-def test_prefix_cache_hit_equals_miss_disk_tier_and_swap(mla_exports, tmp_path, dtype):
+def test_prefix_cache_hit_equals_miss_disk_tier_and_swap(mla_exports, tmp_path, dtype, patient):
     """The block spec, the host pool, the disk tier and the copies are the ones of key/value
     caches: a hit (from RAM, or from disk after a restart) changes nothing, and a row swapped out
     and back decodes on as before; int8 blocks carry their latent_scale."""
@@ -325,6 +325,7 @@ def test_prefix_cache_hit_equals_miss_disk_tier_and_swap(mla_exports, tmp_path, 
     from runtime.llm_engine import LLMEngine, SamplingParams
     from runtime.runners import open_runner
     from runtime.sequence import Sequence
+    from tests.waiting import wait_written
 
     from kvforge.manifest import cache_namespace
 
@@ -343,6 +344,8 @@ def test_prefix_cache_hit_equals_miss_disk_tier_and_swap(mla_exports, tmp_path, 
     for _ in range(2):  # the second engine starts with an empty RAM pool and reads the disk
         with LLMEngine(directory, threads=1, kv_disk_dir=tmp_path) as engine:
             runs.append(engine.generate([prompt], params)[0])
+            if len(runs) == 1:  # all on disk before the close (whose drain is bounded in time)
+                wait_written(engine, "disk", (len(prompt) + len(runs[0].token_ids) - 1) // 16)
             disk = engine.stats()["tiers"]["disk"]
     assert [r.cached_tokens for r in runs] == [0, 64]
     assert disk["hit_blocks"] == 4 and disk["read_bytes"] > 0
@@ -368,7 +371,7 @@ def test_prefix_cache_hit_equals_miss_disk_tier_and_swap(mla_exports, tmp_path, 
     assert tokens == greedy_tokens(open_runner(directory, threads=1), document, 9)
 
 
-def test_two_engines_share_latent_blocks_through_redis(mla_exports):
+def test_two_engines_share_latent_blocks_through_redis(mla_exports, patient):
     """A real redis-server: what one engine stored (int8 latent and its scales), a second engine
     with an empty RAM pool hits, with the output of a run without any cache."""
     from launcher.harness import free_ports

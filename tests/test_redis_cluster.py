@@ -123,8 +123,9 @@ def test_after_failover_to_a_replica_the_killed_primarys_blocks_hit_again(codec,
         store(tier, codec, chain)
         import redis
 
-        for port in cluster.primaries:  # replication is asynchronous: let every replica catch up
-            redis.Redis(port=port).execute_command("WAIT", 1, 5000)
+        for port in cluster.primaries:  # replication is asynchronous: until every replica has caught up
+            primary = redis.Redis(port=port)  # (WAIT: how many replicas acknowledged every write so far)
+            wait_for(lambda: primary.execute_command("WAIT", 1, 1000) >= 1, f"the replica of {port} to catch up")
         tags = placement_tags(chain, 0, len(chain))
         victim = owner(tier, tier.key(chain[0], tags[0]))  # the node holding the first group
         cluster.kill(victim)
