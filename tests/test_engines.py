@@ -218,7 +218,8 @@ def test_idle_threads_spin_as_configured_and_bad_settings_are_refused(monkeypatc
         allow = opts.get_session_config_entry("session.intra_op.allow_spinning")
         try:
             return allow, opts.get_session_config_entry("session.intra_op.spin_duration_us")
-        except Exception:  # ORT raises when the entry was never set
+        except RuntimeError as e:  # ORT raises this when the entry was never set
+            assert "does not have configuration with key" in str(e), e
             return allow, None
 
     assert entries("0") == ("0", None)

@@ -123,6 +123,7 @@ def test_chat_completions_render_the_chat_template(client, grpc):
     (dict(logprobs=3), 400, "logprobs"),
     (dict(extra_body={"top_k": -1}), 400, "top_k"),
     (dict(prompt=""), 400, "the prompt is empty"),
+    (dict(prompt=["def f():"] * 9), 400, "send 1..8 prompts, got 9"),
 ])
 def test_bad_completions_get_openai_shaped_errors(client, call, status, message):
     with pytest.raises(openai.APIStatusError) as error:
@@ -130,6 +131,18 @@ def test_bad_completions_get_openai_shaped_errors(client, call, status, message)
     assert error.value.status_code == status
     body = error.value.body
     assert message in body["message"] and body["type"] in ("invalid_request_error",) and "param" in body
+
+
+def test_a_list_of_prompts_gets_a_choice_for_each(client):
+    """`prompt` as a list (docs/openai-api.md): one choice per prompt, in order, each the answer
+    that prompt gets alone; usage counts them all."""
+    prompts = [PROMPT, "class Stack:", "import os\n"]
+    alone = [client.completions.create(model="llm", prompt=p, max_tokens=6, temperature=0) for p in prompts]
+    together = client.completions.create(model="llm", prompt=prompts, max_tokens=6, temperature=0)
+    assert [c.index for c in together.choices] == [0, 1, 2]
+    assert [c.text for c in together.choices] == [a.choices[0].text for a in alone]
+    assert together.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert together.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
 
 
 def test_vllm_sampling_fields_with_their_meaning(client):

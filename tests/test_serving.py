@@ -69,7 +69,6 @@ def test_streaming_arrives_as_tokens_are_generated(triton, grpc):
     deltas = list(grpc.stream(PROMPT, max_tokens=200, ignore_eos=True))
     assert deltas[-1].final and not any(d.final for d in deltas[:-1])
     assert sum(len(d.token_ids) for d in deltas) == 200
-    assert [d.time for d in deltas] == sorted(d.time for d in deltas)
     # the first response comes while the request still runs: leaving then cancels it, it never
     # finishes (how many tokens each response carries depends on how fast the client reads)
     before = settled_metrics(triton)
@@ -217,7 +216,6 @@ def test_custom_metrics_are_exported(triton, grpc):
     assert values["kvforge_loading_sequences"] == values["kvforge_expired_requests_total"] == 0
     assert values["kvforge_preempted_swap_total"] == values["kvforge_preempted_recompute_total"] == 0
     assert values["kvforge_kv_tier_loads_expired_total"] == values["kvforge_kv_tier_write_dropped_blocks_total"] == 0
-    assert values["kvforge_cancel_poll_seconds_total"] >= 0
 
 
 def raw_stream(triton, values: list[tuple[str, np.ndarray, str]]) -> str:
@@ -252,6 +250,7 @@ def raw_stream(triton, values: list[tuple[str, np.ndarray, str]]) -> str:
     (dict(prompt="x", top_k=-1), "top_k must be an integer >= 0", True),
     (dict(prompt=b"caf\xe9 \xff"), "text_input is not valid UTF-8", False),  # JSON carries only valid text
     (dict(prompt="x", stop_words=[b"\xc3"]), "stop_words is not valid UTF-8", False),
+    (dict(prompt="x", stop_words=[f"w{i}" for i in range(17)]), "at most 16 stop strings, got 17", True),
 ])
 def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(grpc, http, request_kwargs, message, over_http):
     kwargs = {"max_tokens": 4, **request_kwargs}

@@ -70,7 +70,7 @@ def test_speculative_greedy_tokens_equal_plain_greedy_tokens(exports, kv_dtype):
         again = engine.generate(BATCH, GREEDY)  # now each prompt's blocks are prefix hits
         stats = engine.stats()
     assert [r.token_ids for r in first] == [r.token_ids for r in again] == expected
-    assert all(r.cached_tokens > 0 for r in again if len(r.token_ids) and r.prompt_tokens > 16)
+    assert [r.cached_tokens for r in again] == [(r.prompt_tokens - 1) // 16 * 16 for r in again]
     # the tiny model's greedy text repeats itself: drafts were proposed, and most of them held
     assert stats["spec_draft_tokens"] > 0 and 0 < stats["spec_accepted_tokens"] <= stats["spec_draft_tokens"]
     assert stats["steps"] < stats["generated_tokens"]  # fewer steps than tokens: what speculation is for
