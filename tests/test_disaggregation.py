@@ -214,25 +214,25 @@ def test_disaggregation_needs_the_prefix_cache_and_is_checked_at_start(fp32, tmp
 
 def test_disaggregated_serving_through_triton(exports, tmp_path):
     """make serve DISAGGREGATE=1: the llm model's engine starts the prefill worker; a long prompt
-    is prefilled there and the streamed answer is the aggregated server's."""
+    is prefilled there and the streamed answer is aggregated serving's (greedy: the in-process
+    engine's text, which an aggregated server gives: tests/test_serving.py)."""
     from clients.api import LLMClient
+    from engines.repository import engine_dir_of
 
     repo = repository(exports, tmp_path / "repo")
     prompt = "def handoff(x):\n" + "    x = x + 1\n" * 60
-    answers = {}
-    for name, args in (("aggregated", []), ("disaggregated", ["--disaggregate", "--pd-threshold", "64"])):
-        server = launch(repo, *args, log_dir=tmp_path / name)
-        try:
-            metrics = server.metrics_url
-            if args:
-                wait_for(lambda: "kvforge_pd_prefill_worker_up{" in scrape(metrics) and
-                         metric(scrape(metrics), "kvforge_pd_prefill_worker_up") == 1, "the worker", WORKER_START)
-            answers[name] = LLMClient(server.grpc_url).generate(prompt, max_tokens=24, ignore_eos=True).text
-            if args:
-                wait_for(lambda: metric(scrape(metrics), "kvforge_pd_handoffs_total") == 1, "the hand-off count")
-        finally:
-            server.stop()
-    assert answers["disaggregated"] == answers["aggregated"]
+    with LLMEngine(engine_dir_of(repo, "llm"), prefix_cache=False) as engine:
+        aggregated = engine.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0].text
+    server = launch(repo, "--disaggregate", "--pd-threshold", "64", log_dir=tmp_path / "disaggregated")
+    try:
+        metrics = server.metrics_url
+        wait_for(lambda: "kvforge_pd_prefill_worker_up{" in scrape(metrics) and
+                 metric(scrape(metrics), "kvforge_pd_prefill_worker_up") == 1, "the worker", WORKER_START)
+        disaggregated = LLMClient(server.grpc_url).generate(prompt, max_tokens=24, ignore_eos=True).text
+        wait_for(lambda: metric(scrape(metrics), "kvforge_pd_handoffs_total") == 1, "the hand-off count")
+    finally:
+        server.stop()
+    assert disaggregated == aggregated
 
 
 def scrape(url: str) -> str:
