@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -230,9 +232,29 @@ def test_disaggregated_serving_through_triton(exports, tmp_path):
                  metric(scrape(metrics), "kvforge_pd_prefill_worker_up") == 1, "the worker", WORKER_START)
         disaggregated = LLMClient(server.grpc_url).generate(prompt, max_tokens=24, ignore_eos=True).text
         wait_for(lambda: metric(scrape(metrics), "kvforge_pd_handoffs_total") == 1, "the hand-off count")
+        handoff = handoff_dir_under(server.process.pid)
     finally:
         server.stop()
+    # the model's engine is not the test's: its hand-off folder is in /dev/shm, not the run's (and a
+    # stopped server has been seen to leave it: removed here so the run leaves nothing behind)
+    shutil.rmtree(handoff, ignore_errors=True)
     assert disaggregated == aggregated
+
+
+def handoff_dir_under(ancestor: int) -> Path:
+    """The --handoff-dir of the prefill worker running below process `ancestor`."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().decode().split("\0")
+            pid = int(cmdline.parent.name)
+            while pid > 1 and pid != ancestor:
+                stat = (Path("/proc") / str(pid) / "stat").read_text()
+                pid = int(stat[stat.rindex(")") + 2:].split()[1])
+        except (OSError, ValueError):
+            continue
+        if pid == ancestor and "runtime.prefill_worker" in args and "--handoff-dir" in args:
+            return Path(args[args.index("--handoff-dir") + 1])
+    raise AssertionError(f"no prefill worker below process {ancestor}")
 
 
 def scrape(url: str) -> str:
