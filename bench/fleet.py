@@ -129,9 +129,9 @@ class Fleet:
         self.repo, self.logs = repo, logs
 
     def start(self) -> "Fleet":
-        from kvforge import env
+        from kvforge.engine_config import variable
 
-        with environment(env.THREADS, "1"):
+        with environment(variable("threads"), "1"):
             for i, server in enumerate(self.servers, 1):  # from this thread: a replica dies with its starter
                 say(f"fleet: starting replica {i}/{len(self.servers)}")
                 server.start()

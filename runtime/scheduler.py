@@ -41,6 +41,8 @@ from collections import deque
 
 import numpy as np
 
+from kvforge.engine_config import (ITL_TARGET_DECODE_STEPS, MAX_ITL_STEPS, MAX_ITL_TARGET_MS, MAX_PREFILL_BUDGET,
+                                   MIN_PREFILL_BUDGET, SOLO_PREFILL_TOKENS)
 from kvforge.errors import QueueFullError
 from runtime.kv.manager import KVManager
 from runtime.runners.base import Batch
@@ -49,15 +51,7 @@ from runtime.speculation import Speculation, continuations, draft_length, pause_
 
 MIX_PADDING_TOKENS = 16
 PREFILL_BUDGET = 32  # prompt tokens beside decoding rows before the step costs are measured
-SOLO_PREFILL_TOKENS = 512
-MIN_PREFILL_BUDGET, MAX_PREFILL_BUDGET = 2, 8192
-# the default inter-token-latency target, in measured decode steps: a step beside decoding rows
-# takes at most this many. `python -m bench --sections stream_gaps` (small-llama, 2026-12-04, 10
-# rounds each) measured 1.5 best on every count: stream ITL p99 3.4x its pace alone (2.5: 5.7x,
-# fixed 32 tokens: 7.7x), largest gap 3.7x (6.3x, 8.2x), long prompts' TTFT 1.33x alone (1.28x,
-# 1.2x): per prompt token, small chunks cost less on this CPU than large ones
-ITL_TARGET_DECODE_STEPS = 1.5
-MAX_ITL_TARGET, MAX_ITL_STEPS = 10.0, 100.0  # seconds, decode steps
+MAX_ITL_TARGET = MAX_ITL_TARGET_MS / 1000  # seconds
 # how much one step's measurement moves the running estimates (exponentially weighted)
 COST_WEIGHT = 0.3
 # A request loading its prefix from disk / Redis waits at most as long as recomputing it is

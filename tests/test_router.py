@@ -235,16 +235,17 @@ def test_a_bad_policy_is_refused_at_start_with_one_line(repo):
 
 @pytest.mark.parametrize("flags, expected", [
     (["--spin-us", "99999"], "error: --spin-us must be in 0..10000, got 99999"),
-    (["--prefill-budget", "0"], "error: --prefill-budget: "),
+    (["--prefill-budget", "0"], "error: --prefill-budget must be in 2..8192, got 0"),
     (["--http-port", "8000"], "error: --http-port is set per replica by the fleet"),
 ])
 def test_the_fleet_checks_the_engine_flags_it_passes_to_every_replica(tmp_path, flags, expected):
     """`make fleet SPIN_US=...` (any of KV_FLAGS): a launcher flag reaches every replica, and a bad one is
     refused in one line before anything starts."""
-    from launcher import fleet
+    from launcher import __main__ as launcher_cli, fleet
 
     args = fleet.parse_args(["--replicas", "2", "--repo", str(tmp_path), "--spin-us", "0", "--scheduler", "alternate"])
-    assert fleet.launcher_flags(args, 2)[-4:] == ["--spin-us", "0", "--scheduler", "alternate"]
+    replica = launcher_cli.parse_args(fleet.launcher_flags(args, 2))
+    assert (replica.spin_us, replica.scheduler) == (0, "alternate")
     result = subprocess.run([sys.executable, "-m", "launcher.fleet", "--replicas", "1", "--repo", str(tmp_path),
                              "--log-dir", str(tmp_path / "logs"), *flags],
                             cwd=ROOT, capture_output=True, text=True, timeout=WAIT)

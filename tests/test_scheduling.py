@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvforge import env
+from kvforge.engine_config import EngineConfig
 from runtime.kv.manager import KVManager
 from runtime.llm_engine import LLMEngine, SamplingParams
 from runtime.runners import open_runner
@@ -153,7 +153,8 @@ def test_stall_free_gives_the_tokens_the_alternating_scheduler_gives(exports, dt
               for i in range(6)]
     outputs = {}
     for stall_free in (True, False):
-        with LLMEngine(directory, slots=4, prefill_budget=48, stall_free=stall_free, prefix_cache=False) as engine:
+        with LLMEngine(directory, slots=4, prefill_budget=48, scheduler="stall-free" if stall_free else "alternate",
+                       prefix_cache=False) as engine:
             outputs[stall_free] = [[r.token_ids for r in engine.generate(batch, params)] for params in (greedy, seeded)]
             steps = engine.stats()
         if stall_free:
@@ -165,12 +166,12 @@ def test_the_prefill_budget_is_checked_at_start(tmp_path):
     for bad in (0, 1, MAX_PREFILL_BUDGET + 1):
         with pytest.raises(ValueError, match="prefill budget"):
             check_prefill_budget(bad)
-    with pytest.raises(ValueError, match=env.PREFILL_BUDGET):
-        env.engine_options({env.PREFILL_BUDGET: "lots"})
-    with pytest.raises(ValueError, match=env.SCHEDULER):
-        env.engine_options({env.SCHEDULER: "fifo"})
-    assert env.engine_options({env.PREFILL_BUDGET: "128", env.SCHEDULER: "alternate"}) == {
-        **env.engine_options({}), "prefill_budget": 128, "stall_free": False}
+    with pytest.raises(ValueError, match="KVFORGE_PREFILL_BUDGET must be a whole number"):
+        EngineConfig.served({}, {"KVFORGE_PREFILL_BUDGET": "lots"})
+    with pytest.raises(ValueError, match="KVFORGE_SCHEDULER must be one of stall-free, alternate"):
+        EngineConfig.served({}, {"KVFORGE_SCHEDULER": "fifo"})
+    assert EngineConfig.served({}, {"KVFORGE_PREFILL_BUDGET": "128", "KVFORGE_SCHEDULER": "alternate"}) == \
+        EngineConfig(prefill_budget=128, scheduler="alternate")
     ports = sum((["--" + f, str(p)] for f, p in zip(("http-port", "grpc-port", "metrics-port"), free_ports(3))), [])
     line = refusal("--repo", str(tmp_path), *ports, "--prefill-budget", "1")
     assert "--prefill-budget" in line and "2..8192" in line
@@ -237,10 +238,10 @@ def test_the_itl_target_is_checked_at_start(tmp_path):
                 dict(itl_target=0.05, itl_target_steps=2.0)):
         with pytest.raises(ValueError, match="inter-token latency target"):
             StepCosts(**bad)
-    assert env.engine_options({env.ITL_TARGET_MS: "40", env.ITL_TARGET_STEPS: ""}) == {
-        **env.engine_options({}), "itl_target": 0.04}
-    with pytest.raises(ValueError, match=f"{env.ITL_TARGET_STEPS} must be a number of decode steps"):
-        env.engine_options({env.ITL_TARGET_STEPS: "fast"})
+    assert EngineConfig.served({}, {"KVFORGE_ITL_TARGET_MS": "40", "KVFORGE_ITL_TARGET_STEPS": ""}) == \
+        EngineConfig(itl_target_ms=40.0)
+    with pytest.raises(ValueError, match="KVFORGE_ITL_TARGET_STEPS must be a number of decode steps"):
+        EngineConfig.served({}, {"KVFORGE_ITL_TARGET_STEPS": "fast"})
     ports = sum((["--" + f, str(p)] for f, p in zip(("http-port", "grpc-port", "metrics-port"), free_ports(3))), [])
     line = refusal("--repo", str(tmp_path), *ports, "--itl-target-ms", "40", "--prefill-budget", "32")
     assert "--prefill-budget" in line and "--itl-target-ms" in line

@@ -17,36 +17,27 @@ from pathlib import Path
 
 import numpy as np
 
-from kvforge import env
+from kvforge.engine_config import DEFAULT_SPIN_US, read_variable
 from kvforge.manifest import Manifest, ManifestError, kv_buffer_shape, kv_pairs
 from runtime.runners.base import Blocks, Runner, as_blocks, pack_step
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h
 POPULATE_CHUNK_BYTES = 64 << 20
 
-# An idle intra-op thread spins this long for its next operator before it sleeps ($KVFORGE_SPIN_US,
-# --spin-us; 0: it sleeps at once). A wake-up per operator is what a batch-1 step waits on, and a
-# bounded spin ends when the engine goes idle. `make bench`'s spin section, small-llama, 2 threads,
-# 4 rounds taking turns (0 / 100 / 1000 us): decode step median fp32 15.8 / 14.8 / 15.0 ms, int8
-# 6.1 / 5.0 / 5.3 ms; served with kvforge's gRPC client on the same cores 64 / 68 / 66 tokens/s at
-# concurrency 1, 385 / 395 / 374 at 16; but aiperf's worker processes on the same 2 cores got
-# 47 / 41 / 29 tokens/s at concurrency 1 and 147 / 138 / 109 at 4: there a spinning thread takes
-# the CPU the client needs (--spin-us 0 then; unbounded spinning had cost it 20-34%).
-DEFAULT_SPIN_US = 100
-MAX_SPIN_US = 10_000  # ONNX Runtime warns above this: the spin then costs more CPU than a wake-up
-
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "uint8": np.uint8}
 
 
-def session_options(threads: int | None = None):
+def session_options(threads: int | None = None, spin_us: int | None = None):
+    """threads and spin_us: the engine's settings (kvforge/engine_config.py); None: $KVFORGE_THREADS
+    and $KVFORGE_SPIN_US as a served engine's process has them, else every core and DEFAULT_SPIN_US."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    opts.intra_op_num_threads = threads or env.threads() or (os.cpu_count() or 1)
+    opts.intra_op_num_threads = threads or read_variable("threads") or (os.cpu_count() or 1)
     opts.inter_op_num_threads = 1
     opts.log_severity_level = 3
-    spin_us = env.spin_us()
+    spin_us = read_variable("spin_us") if spin_us is None else spin_us
     spin_us = DEFAULT_SPIN_US if spin_us is None else spin_us
     opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin_us else "0")
     if spin_us:
@@ -55,7 +46,7 @@ def session_options(threads: int | None = None):
 
 
 class _OrtRunner(Runner):
-    def __init__(self, manifest: Manifest, onnx_path: Path, threads: int | None = None):
+    def __init__(self, manifest: Manifest, onnx_path: Path, threads: int | None = None, spin_us: int | None = None):
         super().__init__(manifest)
         import onnxruntime as ort
 
@@ -63,7 +54,7 @@ class _OrtRunner(Runner):
             raise ManifestError(
                 f"KV dtype {manifest.kv_dtype} cannot run on ONNX Runtime ({manifest.kv.note})")
         try:
-            self.session = ort.InferenceSession(str(onnx_path), session_options(threads),
+            self.session = ort.InferenceSession(str(onnx_path), session_options(threads, spin_us),
                                                 providers=["CPUExecutionProvider"])
         except Exception as e:  # ORT raises its own exception types for unreadable models
             raise ManifestError(f"cannot load engine {onnx_path}: {str(e).splitlines()[0][:300]}") from None
