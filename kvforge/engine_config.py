@@ -72,8 +72,8 @@ class EngineConfig:
     # ---- the repository's (config.pbtxt)
     slots: int | None = setting(None, "sequences decoding at once (default: as many as fit the KV bytes at full "
                                 "context, at most what the engine was built for)", channel=REPOSITORY, low=1)
-    max_waiting: int | None = setting(None, "requests that may wait for a slot (default: 8 per slot)",
-                                      channel=REPOSITORY, low=1)
+    max_waiting: int | None = setting(None, "requests that may wait for a slot (default: kvforge/limits.py's "
+                                      "WAITING_PER_SLOT per slot)", channel=REPOSITORY, low=1)
     kv_cache_bytes: int = setting(DEFAULT_KV_CACHE_BYTES, "KV memory the llm model may promise", channel=REPOSITORY,
                                   above=0, flag="--kv-cache-mib", scale=1 << 20)
     # ---- the launcher's (KVFORGE_* variables)

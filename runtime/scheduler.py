@@ -41,8 +41,8 @@ from collections import deque
 
 import numpy as np
 
-from kvforge.engine_config import (ITL_TARGET_DECODE_STEPS, MAX_ITL_STEPS, MAX_ITL_TARGET_MS, MAX_PREFILL_BUDGET,
-                                   MIN_PREFILL_BUDGET, SOLO_PREFILL_TOKENS)
+from kvforge.engine_config import (ITL_TARGET_DECODE_STEPS, MAX_PREFILL_BUDGET, MIN_PREFILL_BUDGET,
+                                   SOLO_PREFILL_TOKENS, bounds_problem, setting_named)
 from kvforge.errors import QueueFullError
 from runtime.kv.manager import KVManager
 from runtime.runners.base import Batch
@@ -51,7 +51,6 @@ from runtime.speculation import Speculation, continuations, draft_length, pause_
 
 MIX_PADDING_TOKENS = 16
 PREFILL_BUDGET = 32  # prompt tokens beside decoding rows before the step costs are measured
-MAX_ITL_TARGET = MAX_ITL_TARGET_MS / 1000  # seconds
 # how much one step's measurement moves the running estimates (exponentially weighted)
 COST_WEIGHT = 0.3
 # A request loading its prefix from disk / Redis waits at most as long as recomputing it is
@@ -61,19 +60,19 @@ LOAD_DEADLINE_FLOOR, LOAD_DEADLINE_UNMEASURED = 0.01, 2.0
 
 
 def check_prefill_budget(budget: int) -> None:
-    if not isinstance(budget, int) or not MIN_PREFILL_BUDGET <= budget <= MAX_PREFILL_BUDGET:
-        raise ValueError(f"the prefill budget must be a whole number of prompt tokens per step in "
-                         f"{MIN_PREFILL_BUDGET}..{MAX_PREFILL_BUDGET}, got {budget!r}")
+    """The budget as kvforge/engine_config.py declares it (prompt tokens per step)."""
+    if problem := bounds_problem(setting_named("prefill_budget"), budget):
+        raise ValueError(f"the prefill budget (prompt tokens per step) {problem}")
 
 
 def check_itl_target(seconds: float | None, decode_steps: float | None) -> None:
+    """The target as kvforge/engine_config.py declares it (itl_target_ms, itl_target_steps)."""
     if seconds is not None and decode_steps is not None:
         raise ValueError("give the inter-token latency target in seconds or in decode steps, not both")
-    if seconds is not None and not (isinstance(seconds, (int, float)) and 0 < seconds <= MAX_ITL_TARGET):
-        raise ValueError(f"the inter-token latency target must be in (0, {MAX_ITL_TARGET:g}] seconds, got {seconds!r}")
-    if decode_steps is not None and not (isinstance(decode_steps, (int, float)) and 1 < decode_steps <= MAX_ITL_STEPS):
-        raise ValueError(f"the inter-token latency target must be in (1, {MAX_ITL_STEPS:g}] decode steps, "
-                         f"got {decode_steps!r}")
+    milliseconds = seconds * 1000 if isinstance(seconds, (int, float)) else seconds
+    for name, value in (("itl_target_ms", milliseconds), ("itl_target_steps", decode_steps)):
+        if problem := bounds_problem(setting_named(name), value):
+            raise ValueError(f"the inter-token latency target {problem}")
 
 
 class StepCosts:
