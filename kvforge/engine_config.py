@@ -73,7 +73,8 @@ class EngineConfig:
     slots: int | None = setting(None, "sequences decoding at once (default: as many as fit the KV bytes at full "
                                 "context, at most what the engine was built for)", channel=REPOSITORY, low=1)
     max_waiting: int | None = setting(None, "requests that may wait for a slot (default: kvforge/limits.py's "
-                                      "WAITING_PER_SLOT per slot)", channel=REPOSITORY, low=1)
+                                      "WAITING_PER_SLOT per slot; 0 refuses every request as a full queue would)",
+                                      channel=REPOSITORY, low=0)
     kv_cache_bytes: int = setting(DEFAULT_KV_CACHE_BYTES, "KV memory the llm model may promise", channel=REPOSITORY,
                                   above=0, flag="--kv-cache-mib", scale=1 << 20)
     # ---- the launcher's (KVFORGE_* variables)
