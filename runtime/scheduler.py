@@ -16,7 +16,7 @@ prompt's chunk shares the step only when its span is like the others': similar_s
 The budget follows an inter-token-latency target, as Sarathi-Serve derives its token budget from
 the TBT SLO: StepCosts measures, as the engine runs, what a decode step takes and what each
 prompt token adds to a step, and each step beside decoding rows gets the prompt tokens that keep
-it within the target: ITL_TARGET_DECODE_STEPS measured decode steps (1.5), or an absolute
+it within the target: ITL_TARGET_DECODE_STEPS measured decode steps (1.3), or an absolute
 `itl_target` (seconds). A step costs about a decode step (the weights read once) plus ~1.2-2 ms
 per prompt token on small-llama with 2 threads, so a fixed budget tuned one day (32 tokens:
 ~3.5x a decode step on 2026-12-04) lands elsewhere on another; the target holds on both. Until
@@ -52,11 +52,11 @@ PREFILL_BUDGET = 32  # prompt tokens beside decoding rows before the step costs 
 SOLO_PREFILL_TOKENS = 512
 MIN_PREFILL_BUDGET, MAX_PREFILL_BUDGET = 2, 8192
 # the default inter-token-latency target, in measured decode steps: a step beside decoding rows
-# takes at most this many. `python -m bench --sections stream_gaps` (small-llama, 2026-12-04, 10
-# rounds each) measured 1.5 best on every count: stream ITL p99 3.4x its pace alone (2.5: 5.7x,
-# fixed 32 tokens: 7.7x), largest gap 3.7x (6.3x, 8.2x), long prompts' TTFT 1.33x alone (1.28x,
-# 1.2x): per prompt token, small chunks cost less on this CPU than large ones
-ITL_TARGET_DECODE_STEPS = 1.5
+# takes at most this many. `python -m bench --sections stream_gaps` (small-llama, 2026-12-05, two
+# runs of 10 rounds each) put the knee at 1.3: stream ITL p99 2.5-2.8x its pace alone (1.5:
+# 2.7-3.4x, fixed 32 tokens: 8.4x), largest gap at most 4.0x in every round (1.5: up to 8.3x),
+# long prompts' TTFT 1.0-1.4x alone; 1.15 starves the prompts (TTFT 1.9x)
+ITL_TARGET_DECODE_STEPS = 1.3
 MAX_ITL_TARGET, MAX_ITL_STEPS = 10.0, 100.0  # seconds, decode steps
 # how much one step's measurement moves the running estimates (exponentially weighted)
 COST_WEIGHT = 0.3

@@ -184,7 +184,7 @@ def test_the_budget_fills_the_itl_target_beyond_a_decode_step():
     assert costs.decode_seconds == pytest.approx(0.020) and costs.budget() == PREFILL_BUDGET
     costs.measured(32, 1, 0.020 + 32 * 0.002)  # 32 prompt tokens beside one decoding row
     assert costs.prompt_token_seconds == pytest.approx(0.002)
-    assert ITL_TARGET_DECODE_STEPS == 1.5 and costs.budget() == 5  # (1.5 x 20 - 20) / 2
+    assert ITL_TARGET_DECODE_STEPS == 1.3 and costs.budget() == 3  # (1.3 x 20 - 20) / 2
     costs.measured(64, 0, 0.020 + 64 * 0.004)  # a prompt-only step pays a decode step's weight read too
     assert costs.prompt_token_seconds == pytest.approx(0.7 * 0.002 + 0.3 * 0.004)  # the estimate moves, smoothly
     for target, budget in ((dict(itl_target=0.060), 20), (dict(itl_target_steps=4.0), 30),
