@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvforge.manifest import Manifest, capacity_bucket, kv_block_spec
+from kvforge.manifest import Manifest, capacity_bucket, kv_block_spec, kv_pairs
 
 # A block of one cache tensor, as read_blocks returns it and write_blocks takes it:
 # [blocks, kv_heads, block_tokens, D] (D = 1 for a scale tensor), C-contiguous.
@@ -62,6 +62,8 @@ class Runner(ABC):
     def __init__(self, manifest: Manifest):
         self.manifest = manifest
         self.block = kv_block_spec(manifest)
+        self.cache = {t.name: t for t in manifest.cache_tensors}  # past_key_values.* name -> its sizes
+        self.pairs = kv_pairs(manifest.model, manifest.kv_dtype)  # (past, present) names, graph order
         self.slots = 0
         self.capacity = 0
 
