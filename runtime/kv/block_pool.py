@@ -112,6 +112,20 @@ class HostBlockPool:
             ids.append(block)
         return ids
 
+    def anonymous(self, n: int) -> list[int] | None:
+        """n blocks without a hash (a swapped-out row), one reference each held by the caller, their
+        contents written later (write); None if fewer than n can be taken."""
+        if len(self.free) + len(self.evictable) < n:
+            return None
+        ids = [self._take() for _ in range(n)]
+        self.refs[ids] = 1
+        return ids
+
+    def write(self, blocks: list[int], data: Blocks) -> None:
+        """Fill `blocks` with data[name][i] each (read_blocks-shaped)."""
+        for name, array in self.arrays.items():
+            array[blocks] = data[name]
+
     def runs(self, blocks: list[int]) -> list[tuple[int, Blocks]]:
         """`blocks` as views of the pool, one per run of consecutive ids: (index of the run's first
         block in `blocks`, its views). Copying a prefix into a slot through them stages nothing: a

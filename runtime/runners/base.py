@@ -2,7 +2,7 @@
 of those slots, copied out and in.
 
 A Runner owns the KV buffers for `slots` sequences. Active sequences occupy rows 0..rows-1
-(the KV manager keeps them packed with `move`), so every step binds a contiguous prefix of
+(the packed rows, runtime/kv/rows.py, keep them so with `move`), so every step binds a contiguous prefix of
 each buffer: no gather, no copy. Implementations: runners/ort.py (ONNX Runtime, in place and
 concat) and runners/trt.py (in place on a GPU); `runtime.runners.open_runner` picks one from
 the manifest.
