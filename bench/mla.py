@@ -158,7 +158,7 @@ def kv_accounting(runner, budget: int, tokens: int) -> dict:
     running: list = []
     while True:
         seq = Sequence(len(running), [3] * (tokens - 1), SamplingParams(max_tokens=1), print, None, frozenset())
-        if not manager.can_admit(seq, running):
+        if not manager.rows.can_admit(seq, running):
             break
         running.append(seq)
     return {"bytes_per_token": int(per_token), "manifest_bytes_per_token": runner.manifest.kv_bytes_per_token,
