@@ -58,14 +58,15 @@ from starlette.routing import Route
 
 from frontend.body_limit import BodyLimit
 from frontend.config import DEFAULT_MAX_BODY_BYTES, FrontConfig
-from frontend.openai_api import APIError, ChatRequest, CompletionRequest, OpenAIServer
+from frontend.openai_api import APIError, ChatRequest, CompletionRequest, OpenAIServer, Sampling
 from frontend.proxy import DROPPED_HEADERS, STREAM_ERROR, error, generate_body_error, request_id_of, \
     response_headers, retry_after
 from kvforge import env
 from kvforge.block_hash import chain
 from kvforge.cli import fail_cleanly
-from kvforge.errors import INTERNAL, UNAVAILABLE
+from kvforge.errors import INTERNAL, UNAVAILABLE, RequestError
 from kvforge.limits import DRAIN_SECONDS
+from kvforge.llm_io import Inputs, cache_salt, json_inputs, one_value, prompt_of
 from kvforge.manifest import KV_BLOCK_TOKENS, cache_namespace, kv_block_spec
 from kvforge.net import CONTROL_KEY_HEADER, is_loopback, port_in_use
 from runtime.scheduler import PREFILL_BUDGET
@@ -95,7 +96,7 @@ class Prompt:
     """One prompt as the engines will see it: its tokens, salt and full blocks' chain hashes."""
 
     ids: list[int]
-    salt: str | None
+    salt: bytes | None
     chain: list[bytes]
 
     @property
@@ -118,25 +119,24 @@ class Prompts:
         self.namespace = cache_namespace(self.openai.manifest)
         self.block_bytes = kv_block_spec(self.openai.manifest).bytes_per_block
 
-    def prompt(self, ids: list[int], salt: str | None) -> Prompt:
-        hashes = chain(self.namespace, salt.encode() if salt else None, ids, len(ids) // KV_BLOCK_TOKENS,
-                       KV_BLOCK_TOKENS)
-        return Prompt(ids, salt, hashes)
+    def prompt(self, ids: list[int], salt: bytes | None) -> Prompt:
+        return Prompt(ids, salt, chain(self.namespace, salt, ids, len(ids) // KV_BLOCK_TOKENS, KV_BLOCK_TOKENS))
 
     def answered(self, prompt: Prompt, generated: list[int]) -> Prompt:
         """The tokens a replica holds the KV of once it generated `generated` after `prompt`: all
         but the last generated one (sampled, never fed back)."""
         return self.prompt(prompt.ids + generated[:-1], prompt.salt)
 
-    def of_text(self, text: str | list[int], salt: str | None) -> Prompt:
+    def of_text(self, text: str | list[int], salt: bytes | None) -> Prompt:
         return self.prompt(text if isinstance(text, list) else self.openai.tokenizer.encode(text), salt)
 
-    def of_generate(self, body: dict) -> list[Prompt]:
-        """A /v2 generate body's prompt: text_input, or input_ids cut at input_lengths."""
-        if "input_ids" in body:
-            ids = body["input_ids"] if isinstance(body["input_ids"], list) else [body["input_ids"]]
-            return [self.prompt(ids[:body.get("input_lengths", len(ids))], body.get("cache_salt"))]
-        return [self.of_text(body.get("text_input") or "", body.get("cache_salt"))]
+    def of_generate(self, inputs: Inputs) -> list[Prompt]:
+        """A /v2 generate body's prompt, read as the llm model reads it (kvforge/llm_io.py); one it
+        would refuse has none (the request is routed by load alone and the replica answers the error)."""
+        try:
+            return [self.of_text(prompt_of(inputs), cache_salt(inputs))]
+        except RequestError:
+            return []
 
     def of_openai(self, path: str, body: bytes) -> tuple[list[Prompt], str | None]:
         """A /v1 body's prompts, read as the front reads them, and its `user` (the end-user id
@@ -145,13 +145,18 @@ class Prompts:
         try:
             if path.endswith("/chat/completions"):
                 chat = ChatRequest.model_validate_json(body)
-                return [self.of_text(self.openai.chat_prompt(chat), chat.cache_salt)], chat.user
+                return [self.of_text(self.openai.chat_prompt(chat), salt_of(chat))], chat.user
             completion = CompletionRequest.model_validate_json(body)
         except (ValidationError, APIError):
             return [], None
         prompt = completion.prompt
         prompts = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
-        return [self.of_text(p, completion.cache_salt) for p in prompts], completion.user
+        return [self.of_text(p, salt_of(completion)) for p in prompts], completion.user
+
+
+def salt_of(body: Sampling) -> bytes | None:
+    """An OpenAI body's cache_salt as the front hands it to the llm model: UTF-8."""
+    return body.cache_salt.encode() if body.cache_salt is not None else None
 
 
 # ---------------------------------------------------------------------- replicas
@@ -496,12 +501,13 @@ class Router:
         if problem:
             return error(400, problem, request_id)
         endpoint = request.url.path.rsplit("/", 1)[-1]
-        if parsed.get("clear_prefix_cache") is True:
+        inputs = json_inputs(parsed)
+        if one_value(inputs, "clear_prefix_cache", False, bool):
             return await self.fan_out(request, await request.body(), request_id)
-        if parsed.get("stop") is True:  # to the replica serving that request (any one if none does)
+        if one_value(inputs, "stop", False, bool):  # to the replica serving that request (any one if none does)
             return await self.route(request, "stop", await request.body(), [], request_id, openai=False,
                                     owner=self.owners.get(request_id))
-        prompts = await asyncio.to_thread(self.prompts.of_generate, parsed)
+        prompts = await asyncio.to_thread(self.prompts.of_generate, inputs)
         return await self.route(request, endpoint, await request.body(), prompts, request_id, openai=False,
                                 session=request.headers.get(SESSION_HEADER))
 
