@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 
-import triton_python_backend_utils as pb_utils
-
 from kvforge.errors import RequestError
 from kvforge.llm_io import Inputs
 
