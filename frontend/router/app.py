@@ -25,6 +25,8 @@ ROUTES_SERVED = "/v2/models/<model>/generate, /v2/models/<model>/generate_stream
 
 
 class Router:
+    """One client connection pool to the replicas, shared by their health checks and the relay."""
+
     def __init__(self, prompts: Prompts, replicas: list[Replica], balance_tokens: int, api_key: str | None,
                  policy: str = "kv"):
         self.prompts, self.replicas, self.api_key = prompts, replicas, api_key
