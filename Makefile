@@ -32,7 +32,7 @@ KV_REDIS_URL ?=
 REDIS_PORT ?= 6379
 REDIS_MAXMEMORY ?= 1gb
 # the engine's scheduler (empty: stall-free, prompt tokens per step from the ITL target; runtime/scheduler.py):
-# ITL_TARGET_STEPS = the step length prompts may fill beside decoding rows, in measured decode steps (empty: 1.5),
+# ITL_TARGET_STEPS = the step length prompts may fill beside decoding rows, in measured decode steps (empty: 1.3),
 # ITL_TARGET_MS = the same in ms; PREFILL_BUDGET = a fixed number of prompt tokens per step instead
 ITL_TARGET_STEPS ?=
 ITL_TARGET_MS ?=

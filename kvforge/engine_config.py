@@ -29,11 +29,11 @@ ENV_PREFIX = "KVFORGE_"
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 MIN_PREFILL_BUDGET, MAX_PREFILL_BUDGET = 2, 8192
 # the default inter-token-latency target, in measured decode steps: a step beside decoding rows
-# takes at most this many. `python -m bench --sections stream_gaps` (small-llama, 2026-12-04, 10
-# rounds each) measured 1.5 best on every count: stream ITL p99 3.4x its pace alone (2.5: 5.7x,
-# fixed 32 tokens: 7.7x), largest gap 3.7x (6.3x, 8.2x), long prompts' TTFT 1.33x alone (1.28x,
-# 1.2x): per prompt token, small chunks cost less on this CPU than large ones
-ITL_TARGET_DECODE_STEPS = 1.5
+# takes at most this many. `python -m bench --sections stream_gaps` (small-llama, 2026-12-05, two
+# runs of 10 rounds each) put the knee at 1.3: stream ITL p99 2.5-2.8x its pace alone (1.5:
+# 2.7-3.4x, fixed 32 tokens: 8.4x), largest gap at most 4.0x in every round (1.5: up to 8.3x),
+# long prompts' TTFT 1.0-1.4x alone; 1.15 starves the prompts (TTFT 1.9x)
+ITL_TARGET_DECODE_STEPS = 1.3
 MAX_ITL_TARGET_MS, MAX_ITL_STEPS = 10_000.0, 100.0
 SCHEDULERS = ("stall-free", "alternate")
 # An idle intra-op thread spins this long for its next operator before it sleeps (0: it sleeps at

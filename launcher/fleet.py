@@ -26,7 +26,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from frontend import router
+from frontend.router import __main__ as router
 from kvforge import engine_config
 from kvforge.cli import fail_cleanly
 from kvforge.net import port_in_use

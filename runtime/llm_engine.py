@@ -26,6 +26,7 @@ from kvforge.limits import Limits
 from runtime.disaggregation import Disaggregation, PrefillWorker
 from runtime.kv.block_pool import HostBlockPool, default_kv_host_bytes
 from runtime.kv.manager import KVManager
+from runtime.kv.rows import KVCopies
 from runtime.kv.tiers.codec import BlockCodec
 from runtime.kv.tiers.disk import DiskTier
 from runtime.kv.tiers.lower import LowerTiers
@@ -154,7 +155,7 @@ class LLMEngine:
             seq.queue_deadline = seq.arrived + queue_timeout
         if timeout is not None:
             seq.deadline = seq.arrived + timeout
-        if not self.kv.fits_ever(seq):
+        if not self.kv.rows.fits_ever(seq):
             raise RequestError(f"the request needs {self.runner.bucket_for(seq.max_tokens_total)} KV tokens "
                                f"(its capacity bucket) but the cache holds {self.limits.kv_tokens}; "
                                "lower max_tokens or shorten the prompt")
@@ -167,7 +168,7 @@ class LLMEngine:
             if self._closed:
                 raise EngineError("the engine is shut down")
             for seq in seqs:
-                if self.pd is not None and self.pd.accepts(self.kv.uncached_tokens(seq)):
+                if self.pd is not None and self.pd.accepts(self.kv.prefix.uncached_tokens(seq)):
                     self.scheduler.check_room(len(self._remote))
                     self._remote[seq.request_id] = seq
                     self.pd_counters["pd_remote_prefills"] += 1
@@ -275,12 +276,12 @@ class LLMEngine:
         """The leading full blocks of a prompt in the prefix cache: hashes and copies (what a
         prefill worker hands over)."""
         with self._cond:
-            return self.kv.cached_blocks(token_ids, salt)
+            return self.kv.prefix.cached_blocks(token_ids, salt)
 
     def clear_prefix_cache(self) -> int:
         """Forget every cached prefix block (running requests are unaffected); returns how many."""
         with self._cond:
-            return self.kv.clear()
+            return self.kv.prefix.clear()
 
     # ------------------------------------------------------------------ the step loop
 
@@ -295,12 +296,14 @@ class LLMEngine:
             try:
                 began = time.perf_counter()
                 with self._cond:
-                    outputs, batch = self.scheduler.schedule()
+                    outputs, batch, copies = self.scheduler.schedule()
                 if batch is not None:
-                    outputs += self._step(batch, began)
-                elif not outputs:  # only loads are pending: sleep until one ends (or a deadline passes)
-                    with self._cond:
-                        self._cond.wait(LOAD_POLL_SECONDS)
+                    outputs += self._step(batch, copies, began)
+                else:
+                    copies.run()  # the rows cancelled or expired requests left, given back
+                    if not outputs:  # only loads are pending: sleep until one ends (or a deadline passes)
+                        with self._cond:
+                            self._cond.wait(LOAD_POLL_SECONDS)
             except Exception as e:  # a failed step ends the running requests, not the engine
                 log.exception("engine step failed")
                 with self._cond:
@@ -312,15 +315,19 @@ class LLMEngine:
             outputs = [(seq, seq.finish("error", "the engine shut down")) for seq in left]
         self._emit(outputs)
 
-    def _step(self, batch: Batch, began: float) -> list[tuple[Sequence, RequestOutput]]:
-        """Run one batch: the only work done without the lock (it touches nothing but the runner).
-        The scheduler measures the whole step, from scheduling it to its outputs, not the runner
-        alone."""
+    def _step(self, batch: Batch, copies: KVCopies, began: float) -> list[tuple[Sequence, RequestOutput]]:
+        """Run one batch and the KV copies the scheduler decided before and after it: the work done
+        without the lock (it touches the runner, and pool blocks the step's rows hold). The
+        scheduler measures the whole step, from scheduling it to its outputs, copies included, not
+        the runner alone."""
+        copies.run()  # rows moved and resized, prefix hits and swapped-out rows copied in
         logits = self.runner.step(batch.input_ids, batch.write_positions, batch.num_new, batch.logit_positions)
         with self._cond:
-            outputs = self.scheduler.postprocess(batch, logits)
+            outputs, copies = self.scheduler.postprocess(batch, logits)
+        copies.run()  # finished rows refilled, the buffers shrunk
+        with self._cond:
             self.scheduler.measured(batch, time.perf_counter() - began)
-            return outputs
+        return outputs
 
     @staticmethod
     def _emit(outputs: list[tuple[Sequence, RequestOutput]]) -> None:

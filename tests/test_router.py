@@ -444,7 +444,7 @@ def test_a_request_failing_before_its_first_token_is_retried_on_another_replica(
 
 
 def test_affinity_falls_back_when_the_sessions_replica_is_not_ready(repo, replicas, fake, tmp_path):
-    from frontend.router import session_home
+    from frontend.router.policies import session_home
 
     session = next(f"session-{i}" for i in range(100) if session_home(f"session-{i}", 2) == 0)  # the fake's
     with router_over(repo, [fake.spec, replica_spec(replicas[0])], tmp_path, policy="affinity") as url:

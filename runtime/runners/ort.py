@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from kvforge.engine_config import DEFAULT_SPIN_US, read_variable
-from kvforge.manifest import Manifest, ManifestError, kv_buffer_shape, kv_pairs
+from kvforge.manifest import CacheTensor, Manifest, ManifestError
 from runtime.runners.base import Blocks, Runner, as_blocks, pack_step
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h
@@ -58,17 +58,16 @@ class _OrtRunner(Runner):
                                                 providers=["CPUExecutionProvider"])
         except Exception as e:  # ORT raises its own exception types for unreadable models
             raise ManifestError(f"cannot load engine {onnx_path}: {str(e).splitlines()[0][:300]}") from None
-        inputs, _ = manifest.io()
-        self.specs = {t.name: t for t in inputs}
-        self.dtypes = {t.name: NUMPY_DTYPES.get(t.dtype) for t in inputs}
-        self.pairs = kv_pairs(manifest.model, manifest.kv_dtype)
 
-    def _buffer_shape(self, past_name: str, rows: int, length: int) -> tuple[int, ...]:
-        return kv_buffer_shape(self.specs[past_name], rows, length)
+    def _buffer(self, past_name: str, rows: int, length: int) -> np.ndarray:
+        """A zeroed buffer [rows, heads, length, width] for a cache tensor."""
+        t = self.cache[past_name]
+        return np.zeros((rows, t.heads, length, t.width), NUMPY_DTYPES[t.dtype])
 
 
 class SlotReservation:
-    """One flat array per cache tensor holding `tokens` slot positions (rows x capacity), kept for
+    """One flat array per cache tensor (its heads x width per position, as the manifest sizes
+    it: kvforge.manifest.CacheTensor) holding `tokens` slot positions (rows x capacity), kept for
     the runner's life: every layout within it is a view of its start, and a resize moves each
     row's KV inside it. Why: a page touched for the first time costs ~1 ms per MB on this VM (a
     2K-token row moved into a new buffer took ~100 ms, a resize into new zeroed arrays 5-260 ms,
@@ -78,12 +77,11 @@ class SlotReservation:
     stale (finite) KV beyond each row's length, as reused rows always have: attention reads a
     row only up to its write position."""
 
-    def __init__(self, runner: "OrtInplaceRunner", tokens: int):
+    def __init__(self, tensors: tuple[CacheTensor, ...], tokens: int):
         self.tokens = tokens
-        self.heads_width = {past: runner._buffer_shape(past, 1, 1)[1::2] for past, _ in runner.pairs}
+        self.heads_width = {t.name: (t.heads, t.width) for t in tensors}
         # zeros (a fresh mapping this large), never stale bytes that could read as NaN
-        self.flat = {past: np.zeros(tokens * heads * width, runner.dtypes[past])
-                     for past, (heads, width) in self.heads_width.items()}
+        self.flat = {t.name: np.zeros(tokens * t.heads * t.width, NUMPY_DTYPES[t.dtype]) for t in tensors}
         self.nbytes = sum(a.nbytes for a in self.flat.values())
         self.populated = threading.Event()
         threading.Thread(target=self._populate, name="kvforge-kv-populate", daemon=True).start()
@@ -132,7 +130,8 @@ class OrtInplaceRunner(_OrtRunner):
     def reserve(self, nbytes: int) -> None:
         """Before allocate: one reservation of `nbytes` of KV (SlotReservation) holds every later
         layout that fits it."""
-        self.reservation = SlotReservation(self, nbytes // self.manifest.kv_bytes_per_token)
+        tensors = tuple(self.cache.values())
+        self.reservation = SlotReservation(tensors, nbytes // sum(t.bytes_per_token for t in tensors))
 
     def _reserved(self, slots: int, capacity: int) -> bool:
         return self.reservation is not None and self.reservation.fits(slots, capacity)
@@ -142,8 +141,7 @@ class OrtInplaceRunner(_OrtRunner):
         if self._reserved(slots, capacity):
             self.buffers = self.reservation.views(slots, capacity)
         else:
-            self.buffers = {past: np.zeros(self._buffer_shape(past, slots, capacity), self.dtypes[past])
-                            for past, _ in self.pairs}
+            self.buffers = {past: self._buffer(past, slots, capacity) for past, _ in self.pairs}
         self._binding, self._bound_rows = None, 0
 
     def step(self, input_ids, write_positions, num_new, logit_positions=None):
@@ -235,12 +233,12 @@ class OrtConcatRunner(_OrtRunner):
 
     def allocate(self, slots, capacity):
         self.slots, self.capacity = slots, capacity
-        self.past = {past: np.zeros(self._buffer_shape(past, slots, 0), self.dtypes[past]) for past, _ in self.pairs}
+        self.past = {past: self._buffer(past, slots, 0) for past, _ in self.pairs}
         self.mask = np.zeros((slots, 0), np.int64)
 
     def allocate_cached(self, slots, length, capacity):
         self.allocate(slots, capacity)
-        self.past = {past: np.zeros(self._buffer_shape(past, slots, length), self.dtypes[past]) for past, _ in self.pairs}
+        self.past = {past: self._buffer(past, slots, length) for past, _ in self.pairs}
         self.mask = np.ones((slots, length), np.int64)
 
     @property

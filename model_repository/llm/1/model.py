@@ -22,14 +22,15 @@ from pathlib import Path
 from kvforge import env
 from kvforge.engine_config import EngineConfig
 from kvforge.errors import KVForgeError
+from kvforge.llm_io import cache_salt, one_value
 from kvforge.manifest import cache_namespace
 from runtime.llm_engine import LLMEngine
 from runtime.sequence import RequestOutput
 from triton_models.lifeline import exit_with_server
 from triton_models.llm_metrics import EngineMetrics
-from triton_models.llm_request import cache_salt, clears_prefix_cache, log_id_of, parse, requested_outputs
+from triton_models.llm_request import clears_prefix_cache, log_id_of, parse, requested_outputs
 from triton_models.llm_stream import ResponseSender, ResponseStream, response
-from triton_models.requests import one_value, refuse_unknown_parameters
+from triton_models.requests import inputs_of, refuse_unknown_parameters
 from triton_models.responses import FINAL
 
 
@@ -54,25 +55,26 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             log_id = log_id_of(request)
             try:
-                if clears_prefix_cache(request):
+                inputs = inputs_of(request)
+                if clears_prefix_cache(inputs):
                     cleared = self.engine.clear_prefix_cache()
                     sender.send(response(RequestOutput(0, f"cleared {cleared} prefix cache blocks", [], finished=True,
                                                        finish_reason="stop")), flags=FINAL)
-                elif one_value(request, "stop", False, bool):
+                elif one_value(inputs, "stop", False, bool):
                     self.stop(request)
                 else:
-                    self.submit(request, sender, log_id)
+                    self.submit(request, inputs, sender, log_id)
             except KVForgeError as e:
                 self.sender.refuse(sender, log_id, e)
         return None
 
-    def submit(self, request, sender, log_id):
-        prompt, params, stream, echo = parse(request, self.engine)
+    def submit(self, request, inputs, sender, log_id):
+        prompt, params, stream, echo = parse(request, inputs, self.engine)
         # a `stop` names the request by its Triton id (gRPC) or, over HTTP, by its X-Request-ID
         responses = ResponseStream(sender, stream, log_id, requested_outputs(request), echo,
                                    request.request_id() or log_id)
         responses.request_id = self.engine.submit(prompt, params, self.sender.on_output(responses),
-                                                  cache_salt=cache_salt(request))
+                                                  cache_salt=cache_salt(inputs))
         self.sender.track(responses)
 
     def stop(self, request):
