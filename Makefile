@@ -32,7 +32,7 @@ KV_REDIS_URL ?=
 REDIS_PORT ?= 6379
 REDIS_MAXMEMORY ?= 1gb
 # the engine's scheduler (empty: stall-free, prompt tokens per step from the ITL target; runtime/scheduler.py):
-# ITL_TARGET_STEPS = the step length prompts may fill beside decoding rows, in measured decode steps (empty: 1.5),
+# ITL_TARGET_STEPS = the step length prompts may fill beside decoding rows, in measured decode steps (empty: 1.3),
 # ITL_TARGET_MS = the same in ms; PREFILL_BUDGET = a fixed number of prompt tokens per step instead
 ITL_TARGET_STEPS ?=
 ITL_TARGET_MS ?=
@@ -46,19 +46,22 @@ DECODE_THREADS ?=
 SPECULATIVE ?=
 # SPIN_US: microseconds an idle ONNX Runtime thread spins for work before it sleeps (empty: the measured default)
 SPIN_US ?=
+# any other engine setting, as the launcher's flags (`python -m launcher --help`; kvforge/engine_config.py), e.g.
+# ENGINE_FLAGS="--queue-timeout 30 --pd-threshold 256"
+ENGINE_FLAGS ?=
 KV_FLAGS = --prefix-cache $(if $(filter 0,$(PREFIX_CACHE)),off,on) $(if $(KV_HOST_BYTES),--kv-host-bytes $(KV_HOST_BYTES),) \
 	$(if $(KV_DISK_DIR),--kv-disk-dir $(KV_DISK_DIR),) $(if $(KV_DISK_BYTES),--kv-disk-bytes $(KV_DISK_BYTES),) \
 	$(if $(PREFILL_BUDGET),--prefill-budget $(PREFILL_BUDGET),) $(if $(ITL_TARGET_MS),--itl-target-ms $(ITL_TARGET_MS),) \
 	$(if $(ITL_TARGET_STEPS),--itl-target-steps $(ITL_TARGET_STEPS),) $(if $(SCHEDULER),--scheduler $(SCHEDULER),) \
 	$(if $(filter 1,$(DISAGGREGATE)),--disaggregate $(if $(PREFILL_THREADS),--prefill-threads $(PREFILL_THREADS),),) \
 	$(if $(DECODE_THREADS),--decode-threads $(DECODE_THREADS),) $(if $(SPECULATIVE),--speculative $(SPECULATIVE),) \
-	$(if $(SPIN_US),--spin-us $(SPIN_US),)
+	$(if $(SPIN_US),--spin-us $(SPIN_US),) $(ENGINE_FLAGS)
 # the Redis URL may hold a password: it goes by environment, not on a command line others can list
 ifneq ($(KV_REDIS_URL),)
 export KVFORGE_KV_REDIS_URL := $(KV_REDIS_URL)
 endif
 
-.PHONY: setup export verify build-engines serve run fleet test bench soak redis redis-cluster clean
+.PHONY: setup export verify build-engines repository serve run fleet test bench soak redis redis-cluster clean
 
 setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -77,9 +80,19 @@ $(EXPORT_DIR)/manifest.json: kvforge/manifest.py $(wildcard export/*.py) | setup
 verify: $(EXPORT_DIR)/manifest.json
 	$(PY) -m export.verify $(EXPORT_DIR)
 
+# the llm model's config.pbtxt: SLOTS = sequences decoding at once (empty: as many as fit KV_CACHE_MIB at full
+# context), KV_CACHE_MIB = the KV memory it may promise (empty: 1024); `make repository` rewrites only these
+SLOTS ?=
+KV_CACHE_MIB ?=
+REPOSITORY := $(PY) -m engines repository $(ENGINE_DIR) --repo model_repository $(if $(SLOTS),--slots $(SLOTS),) \
+	$(if $(KV_CACHE_MIB),--kv-cache-mib $(KV_CACHE_MIB),)
+
 build-engines: $(EXPORT_DIR)/manifest.json
 	$(PY) -m engines build $(EXPORT_DIR) --backend $(BACKEND) --weights $(WEIGHTS) --out $(ENGINE_DIR)
-	$(PY) -m engines repository $(ENGINE_DIR) --repo model_repository
+	$(REPOSITORY)
+
+repository: setup
+	$(REPOSITORY)
 
 # the launcher: the HTTP front on HTTP_PORT (and the OpenAI API on OPENAI_PORT; empty disables it),
 # supervised tritonserver (gRPC, metrics); logs in LOG_DIR

@@ -41,7 +41,7 @@ class Params:
     hf_new_tokens: int  # transformers' generate() is slow: fewer tokens, same decode rate
     hf_nocache_new_tokens: int
     dtype_contexts: tuple[int, ...]
-    eval_windows: int | None  # held-out windows of EVAL_WINDOW tokens for perplexity; None = all
+    eval_windows: int | None  # held-out windows of export.train's EVAL_WINDOW tokens for perplexity; None = all
     greedy_prompt_tokens: int
     greedy_tokens: int
     concurrency: tuple[int, ...]
@@ -296,17 +296,6 @@ def decode_rate(rows: int, step_seconds: list[float]) -> float:
 
 
 # ---------------------------------------------------------------- quality (trained model)
-
-EVAL_WINDOW = 512
-
-
-def eval_windows(stream: np.ndarray, count: int | None, window: int = EVAL_WINDOW) -> np.ndarray:
-    """The first `count` (None: all) consecutive non-overlapping windows of window + 1 tokens
-    from the held-out stream: export.train's perplexity windows, less its last partial one."""
-    available = (len(stream) - 1) // window
-    n = available if count is None else min(count, available)
-    return np.stack([stream[i * window:i * window + window + 1] for i in range(n)])
-
 
 def perplexity(runner, windows: np.ndarray, rows: int = 8) -> float:
     """exp(mean next-token NLL), each window prefilled in one step: attention inside the prefill

@@ -42,7 +42,7 @@ import numpy as np
 from bench.common import ROOT, finish_figure, rendered, run_module, say, section_ran, skipped, table, target
 from bench.prefix_cache import Texts, section_engine
 
-POLICIES = ("round-robin", "affinity", "kv")  # frontend/router.py's, the baselines first
+POLICIES = ("round-robin", "affinity", "kv")  # frontend/router/policies.py's, the baselines first
 TIERS = {"redis": "one Redis", "redis_cluster": "Redis Cluster"}
 CONTROL_KEY = "bench-fleet-control-key-0123456789"
 START_TIMEOUT = 300.0  # a replica loading small-llama on shared cores
@@ -129,9 +129,9 @@ class Fleet:
         self.repo, self.logs = repo, logs
 
     def start(self) -> "Fleet":
-        from kvforge import env
+        from kvforge.engine_config import variable
 
-        with environment(env.THREADS, "1"):
+        with environment(variable("threads"), "1"):
             for i, server in enumerate(self.servers, 1):  # from this thread: a replica dies with its starter
                 say(f"fleet: starting replica {i}/{len(self.servers)}")
                 server.start()
@@ -154,7 +154,7 @@ class Fleet:
         name -> value)."""
         import httpx
 
-        from frontend.router import metric
+        from frontend.router.replicas import metric
 
         out = {}
         for number, server in enumerate(self.servers, 1):

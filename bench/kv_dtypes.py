@@ -6,9 +6,9 @@ time and quality are measured on the trained model (random weights make quality 
 """
 from __future__ import annotations
 
-from bench.common import (Params, eval_windows, generate, greedy_agreement, held_out_prompts, interleaved_steps,
-    perplexity, quality_cells, rendered, runnable_kv_dtypes, say, section_ran, skipped, summary_ms, table, target)
-from export.train import held_out_tokens
+from bench.common import (Params, generate, greedy_agreement, held_out_prompts, interleaved_steps, perplexity,
+    quality_cells, rendered, runnable_kv_dtypes, say, section_ran, skipped, summary_ms, table, target)
+from export.train import eval_windows, held_out_tokens
 from kvforge.manifest import KV_DTYPES, Manifest, ModelSpec, kv_bytes_per_token
 
 GREEDY_ROWS = 8

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import (TRAINED_MODEL, code_digest, eval_windows, finish_figure, held_out_prompts, interleaved_steps,
-                          quality_cells, rendered, run_module, say, section_ran, skipped, summary_ms, table, target)
+from bench.common import (TRAINED_MODEL, code_digest, finish_figure, held_out_prompts, interleaved_steps, quality_cells,
+                          rendered, run_module, say, section_ran, skipped, summary_ms, table, target)
 
 PATHS = ("absorbed", "decompressed")
 
@@ -158,7 +158,7 @@ def kv_accounting(runner, budget: int, tokens: int) -> dict:
     running: list = []
     while True:
         seq = Sequence(len(running), [3] * (tokens - 1), SamplingParams(max_tokens=1), print, None, frozenset())
-        if not manager.can_admit(seq, running):
+        if not manager.rows.can_admit(seq, running):
             break
         running.append(seq)
     return {"bytes_per_token": int(per_token), "manifest_bytes_per_token": runner.manifest.kv_bytes_per_token,
@@ -209,7 +209,7 @@ def decode_table(runners: dict, s: Shape) -> list[dict]:
 def quality(artifacts, params, s: Shape, checkpoint: Path) -> dict:
     """fp32 / fp16 / int8 latent on `checkpoint`: perplexity, greedy agreement with fp32."""
     from bench.kv_dtypes import quality as dtype_quality
-    from export.train import held_out_tokens
+    from export.train import eval_windows, held_out_tokens
     from kvforge.manifest import MLA_KV_DTYPES
     from runtime.runners import open_runner
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import Params, finish_figure, rendered, run_module, say, section_ran, table
-from kvforge import env
+from kvforge.engine_config import variable
 from runtime.runners.ort import DEFAULT_SPIN_US
 
 POLICIES_US = (0, 100, 1000)
@@ -33,15 +33,16 @@ def shape(quick: bool) -> dict:
 
 def with_spin(spin_us: int, make):
     """make() with $KVFORGE_SPIN_US set as a served engine's process has it (sessions read it when made)."""
-    before = os.environ.get(env.SPIN_US)
-    os.environ[env.SPIN_US] = str(spin_us)
+    name = variable("spin_us")
+    before = os.environ.get(name)
+    os.environ[name] = str(spin_us)
     try:
         return make()
     finally:
         if before is None:
-            del os.environ[env.SPIN_US]
+            del os.environ[name]
         else:
-            os.environ[env.SPIN_US] = before
+            os.environ[name] = before
 
 
 def step_figures(seconds: list[float]) -> dict:

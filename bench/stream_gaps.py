@@ -12,7 +12,7 @@ the client's arrival times, so the largest gap of each round is split into the e
 the sender's delay and the relay's (Triton, the front, the socket). The configurations: the
 budget from the ITL target at several targets (the trade-off curve), the fixed budget the target
 replaced, and disaggregated serving (1 + 1 threads).
-Time budget: ~20 min full (small-llama, 4K context, 10 rounds per configuration), ~2 min --quick.
+Time budget: ~12 min full (small-llama, 4K context, 10 rounds per configuration), ~2 min --quick.
 """
 from __future__ import annotations
 
@@ -25,27 +25,30 @@ import numpy as np
 
 from bench.common import Params, describe, finish_figure, rendered, run_module, say, section_ran, skipped, \
     table, target
+from runtime.scheduler import ITL_TARGET_DECODE_STEPS, PREFILL_BUDGET
 
 # the issue's targets, as multiples of the stream's ITL p50 alone
 AGGREGATED = {"p99": 3.0, "max_gap": 5.0, "ttft": 1.6}
 DISAGGREGATED = {"p99": 2.0, "max_gap": 3.0}
-DEFAULT = "target 1.5 steps (default)"  # runtime/scheduler.py ITL_TARGET_DECODE_STEPS
 
 
 def shape(quick: bool) -> dict:
     if quick:
         return dict(model=None, rounds=2, stream_tokens=40, warm_tokens=12, long_tokens=96, long_count=2,
-                    arrival_gap_s=0.05, configurations=configurations((1.5,), disaggregated=False))
+                    arrival_gap_s=0.05, configurations=configurations((ITL_TARGET_DECODE_STEPS,), disaggregated=False))
     return dict(model="small-llama", rounds=10, stream_tokens=160, warm_tokens=16, long_tokens=2000, long_count=2,
-                arrival_gap_s=0.05, configurations=configurations((1.5, 2.0, 2.5, 3.0, 4.0), disaggregated=True))
+                arrival_gap_s=0.05, configurations=configurations((1.15, 1.3, 1.5, 2.0, 3.0), disaggregated=True))
+
+
+def label(steps: float) -> str:
+    return f"target {steps:g} steps" + (" (default)" if steps == ITL_TARGET_DECODE_STEPS else "")
+
+
+DEFAULT = label(ITL_TARGET_DECODE_STEPS)
 
 
 def configurations(steps: tuple[float, ...], disaggregated: bool) -> dict[str, list[str]]:
-    from runtime.scheduler import ITL_TARGET_DECODE_STEPS, PREFILL_BUDGET
-
-    named = {(f"target {n:g} steps" + (" (default)" if n == ITL_TARGET_DECODE_STEPS else "")): ["--itl-target-steps",
-                                                                                                  str(n)]
-             for n in steps}
+    named = {label(n): ["--itl-target-steps", str(n)] for n in steps}
     named[f"fixed {PREFILL_BUDGET} tokens (before)"] = ["--prefill-budget", str(PREFILL_BUDGET)]
     if disaggregated:
         named["disaggregated"] = ["--disaggregate", "--pd-threshold", "0"]

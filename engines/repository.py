@@ -1,6 +1,6 @@
 """Write the Triton model repository's config.pbtxt files from an engine's manifest.
 
-    python -m engines repository ENGINE_DIR --repo DIR [--slots N] [--kv-cache-mib M]
+    python -m engines repository ENGINE_DIR --repo DIR [--slots N] [--max-waiting N] [--kv-cache-mib M]
 
 Models: `llm` (decoupled streaming generation with continuous batching), `step` (the raw
 decoder step with dynamic batching: logits of every position, for scoring), and thin aliases
@@ -15,6 +15,7 @@ model_repository.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import shutil
@@ -24,7 +25,8 @@ from pathlib import Path
 from kvforge import llm_io
 from kvforge.cli import fail_cleanly
 from kvforge.manifest import Manifest, ManifestError, cache_namespace
-from kvforge.limits import DEFAULT_KV_CACHE_BYTES, Limits
+from kvforge.engine_config import REPOSITORY, EngineConfig, add_flags, from_flags, given
+from kvforge.limits import Limits
 
 DEFAULT_ENGINE_DIR = Path("model_repository/llm/1/engine")
 MODEL_SOURCES = Path(__file__).resolve().parents[1] / "model_repository"
@@ -88,13 +90,17 @@ def model_config(name: str, max_batch_size: int, inputs: list[str], outputs: lis
             f'parameters [\n{parameters(params)}\n]\n')
 
 
-def write_repository(engine_dir: Path, repo: Path, slots: int | None = None,
-                     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES) -> None:
+def write_repository(engine_dir: Path, repo: Path, config: EngineConfig | None = None, **settings) -> None:
+    """config: the engine's settings, of which the repository's (kvforge/engine_config.py REPOSITORY)
+    go into the llm model's config.pbtxt; keyword settings replace single ones (slots=4)."""
     engine_dir, repo = Path(engine_dir), Path(repo)
+    config = dataclasses.replace(config or EngineConfig(), **settings)
     manifest = Manifest.load(engine_dir)
     if not (engine_dir / "tokenizer.json").is_file():
         raise ManifestError(f"{engine_dir} has no tokenizer.json; the llm model needs it")
-    limits = Limits.from_manifest(manifest, slots=slots, kv_cache_bytes=kv_cache_bytes)
+    limits = Limits.from_manifest(manifest, config.slots, config.max_waiting, config.kv_cache_bytes)
+    # slots and max_waiting as Triton's batches are sized: the engine then derives nothing else
+    config = dataclasses.replace(config, slots=limits.slots, max_waiting=limits.max_waiting)
     # one instance owns the whole KV pool and all CPU threads; on a GPU host it owns the device
     kind = "KIND_GPU" if manifest.engine.get("backend") == "tensorrt" else "KIND_CPU"
     relative_engine = os.path.relpath(engine_dir.resolve(), repo.resolve())
@@ -102,8 +108,7 @@ def write_repository(engine_dir: Path, repo: Path, slots: int | None = None,
         "llm": model_config(
             "llm", limits.slots, LLM_INPUTS, LLM_OUTPUTS, LLM_QUEUE_DELAY_US, kind,
             # cache_namespace: which blocks this engine can reuse; a router refuses replicas of another
-            dict(engine_dir=relative_engine, slots=limits.slots, max_waiting=limits.max_waiting,
-                 kv_cache_bytes=kv_cache_bytes, cache_namespace=cache_namespace(manifest).hex()),
+            dict(engine_dir=relative_engine, **config.parameters(), cache_namespace=cache_namespace(manifest).hex()),
             decoupled=True),
         "step": model_config(
             "step", limits.score_rows,
@@ -126,26 +131,29 @@ def write_repository(engine_dir: Path, repo: Path, slots: int | None = None,
         (repo / name / "config.pbtxt").write_text(config)
 
 
+def parameters_of(repo: Path, model: str) -> dict[str, str]:
+    """The parameters a model's config.pbtxt holds, as Triton hands them to the model."""
+    config = (repo / model / "config.pbtxt").read_text()
+    return dict(re.findall(r'key: "([^"]+)" value: \{ string_value: "([^"]*)" \}', config))
+
+
 def engine_dir_of(repo: Path, model: str) -> Path:
     """The engine dir the llm model's config.pbtxt names (relative to the repository)."""
-    config = (repo / model / "config.pbtxt").read_text()
-    found = re.search(r'key: "engine_dir" value: \{ string_value: "([^"]+)" \}', config)
-    if not found:
+    engine_dir = parameters_of(repo, model).get("engine_dir")
+    if not engine_dir:
         raise ValueError(f"{repo / model / 'config.pbtxt'} names no engine_dir; run `python -m engines repository`")
-    return (repo / found.group(1)).resolve()
+    return (repo / engine_dir).resolve()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engines repository", description=__doc__.split("\n\n")[0])
     parser.add_argument("engine_dir", type=Path, nargs="?", default=DEFAULT_ENGINE_DIR)
     parser.add_argument("--repo", type=Path, default=Path("model_repository"))
-    parser.add_argument("--slots", type=int, help="sequences decoding at once (default: derived from the manifest)")
-    parser.add_argument("--kv-cache-mib", type=int, default=DEFAULT_KV_CACHE_BYTES >> 20,
-                        help="KV memory the llm model may promise (default: %(default)s)")
+    add_flags(parser, REPOSITORY)  # --slots, --max-waiting, --kv-cache-mib
     args = parser.parse_args(argv)
 
     def run() -> int:
-        write_repository(args.engine_dir, args.repo, args.slots, args.kv_cache_mib << 20)
+        write_repository(args.engine_dir, args.repo, from_flags(given(args, REPOSITORY)))
         print(f"wrote {', '.join(f'{args.repo}/{m}/config.pbtxt' for m in MODELS)} for {args.engine_dir}")
         return 0
 

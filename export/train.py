@@ -26,7 +26,6 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from bench.common import EVAL_WINDOW
 from export.model import CausalLM
 from export.presets import PRESETS, hf_config, random_weights, stdlib_corpus, train_tokenizer, write_tokenizer
 from kvforge.cli import atomic_directory
@@ -52,6 +51,7 @@ CORPUS_BYTES = 64 << 20  # more than the stdlib's top level holds: take every fi
 SEQ_LEN = 512
 BATCH = 4
 LR, MIN_LR_FRACTION, WARMUP = 4e-3, 0.1, 50
+EVAL_WINDOW = 512  # tokens per held-out perplexity window (the benchmarks' too)
 
 
 def split_corpus() -> tuple[list[str], list[str]]:
@@ -76,6 +76,14 @@ def held_out_tokens(checkpoint: Path) -> np.ndarray:
     tokenizer = Tokenizer.from_file(str(Path(checkpoint) / "tokenizer.json"))
     eos = json.loads((Path(checkpoint) / "config.json").read_text())["eos_token_id"]
     return token_stream(tokenizer, split_corpus()[1], eos)
+
+
+def eval_windows(stream: np.ndarray, count: int | None, window: int = EVAL_WINDOW) -> np.ndarray:
+    """The first `count` (None: all) consecutive non-overlapping windows of window + 1 tokens
+    from the held-out stream, for the benchmarks: perplexity()'s windows, less its last partial one."""
+    available = (len(stream) - 1) // window
+    n = available if count is None else min(count, available)
+    return np.stack([stream[i * window:i * window + window + 1] for i in range(n)])
 
 
 def forward(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvforge.engine_config import DEFAULT_KV_CACHE_BYTES
 from kvforge.manifest import Manifest
 
-DEFAULT_KV_CACHE_BYTES = 1 << 30
 MAX_SLOTS = 32
 WAITING_PER_SLOT = 8
 # The step model returns logits for every position: rows * max_seq_len * vocab floats.

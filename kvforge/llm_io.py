@@ -1,4 +1,5 @@
-"""The `llm` model's wire contract: its inputs and outputs, and one response decoded (`Delta`).
+"""The `llm` model's wire contract: its inputs and outputs, one request read, and one response
+decoded (`Delta`).
 
 Each tensor has its name, Triton datatype, dims (after the batch dimension), whether it is
 optional or ragged, and for an input the JSON type the HTTP front accepts in a /generate body
@@ -8,13 +9,20 @@ forward to llm asking for OUTPUTS; the front checks /generate bodies against INP
 OpenAI front and clients/api.py build their inputs with INPUTS' dtypes and decode responses
 with `Delta`. Names, dtypes and meanings are TensorRT-LLM's ensemble / tensorrt_llm_bls ones
 (README "Inputs and outputs" says what each does).
+
+A request's inputs are read by one set of functions (`one_value`, `prompt_of`, ...) over
+`Inputs`, whoever holds them: the llm model and its aliases a Triton request's tensors
+(triton_models/requests.py), the router a /generate JSON body (`json_inputs`). So a request
+means the same to both, and an input is parsed in one place.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping
 
 import numpy as np
+
+from kvforge.errors import RequestError
 
 
 @dataclass(frozen=True)
@@ -119,6 +127,87 @@ OUTPUTS = {t.name: t for t in (
     Tensor("cached_tokens", "INT32", (1,)),  # prompt tokens served by the prefix cache
 )}
 
+
+# ---------------------------------------------------------------------- one request read
+
+# A request's inputs: name -> the values sent, flattened (an input not sent is absent)
+Inputs = Mapping[str, np.ndarray]
+
+
+def json_inputs(body: dict) -> Inputs:
+    """A /generate body's inputs, as Triton makes tensors of them: a field holds one value or a
+    list, strings become UTF-8 bytes; fields that are no input are left out (Triton makes them
+    request parameters). The body must have passed the inputs' JSON types (frontend/proxy.py)."""
+    inputs = {}
+    for name, value in body.items():
+        spec = INPUTS.get(name)
+        if spec is not None:
+            values = value if isinstance(value, list) else [value]
+            if spec.datatype == "BYTES":
+                values = [v.encode("utf-8") for v in values]
+            inputs[name] = np.array(values, dtype=spec.numpy_dtype)
+    return inputs
+
+
+def one_value(inputs: Inputs, name: str, default, convert):
+    values = inputs.get(name)
+    if values is None:
+        return default
+    if values.size != 1:
+        raise RequestError(f"{name} must hold exactly one value (one prompt per request), got {values.size}")
+    return convert(values[0])
+
+
+def utf8(name: str) -> Callable[[bytes], str]:
+    def convert(value: bytes) -> str:
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RequestError(f"{name} is not valid UTF-8: {e.reason} at byte {e.start}") from None
+    return convert
+
+
+def strings(inputs: Inputs, name: str) -> tuple[str, ...]:
+    values = inputs.get(name)
+    return tuple(map(utf8(name), values)) if values is not None else ()
+
+
+def either(inputs: Inputs, names: tuple[str, str], convert):
+    """The value of whichever of two alias inputs was sent (TensorRT-LLM renamed some inputs)."""
+    values = {name: one_value(inputs, name, None, convert) for name in names}
+    given = {k: v for k, v in values.items() if v is not None}
+    if len(set(given.values())) > 1:
+        raise RequestError(f"{' and '.join(names)} name the same option; send one of them")
+    return next(iter(given.values()), None)
+
+
+def identity_only(inputs: Inputs, name: str, identity: float, why: str) -> None:
+    value = one_value(inputs, name, identity, float)
+    if value != identity:
+        raise RequestError(f"{name} must be {identity:g}: {why}, got {value:g}")
+
+
+def prompt_of(inputs: Inputs) -> str | list[int]:
+    """The prompt: text_input, or TensorRT-LLM's input_ids cut at input_lengths."""
+    text = one_value(inputs, "text_input", None, utf8("text_input"))
+    ids = inputs.get("input_ids")
+    if text is not None and ids is not None:
+        raise RequestError("send the prompt as text_input or as input_ids, not both")
+    if ids is None:
+        return text or ""
+    ids = ids.tolist()
+    length = one_value(inputs, "input_lengths", len(ids), int)
+    if not 0 <= length <= len(ids):
+        raise RequestError(f"input_lengths must be in 0..{len(ids)} (the input_ids sent), got {length}")
+    return ids[:length]
+
+
+def cache_salt(inputs: Inputs) -> bytes | None:
+    """The optional cache_salt (raw bytes): a request shares cached prefixes only with the same salt."""
+    return one_value(inputs, "cache_salt", None, bytes)
+
+
+# ---------------------------------------------------------------------- one response decoded
 
 @dataclass
 class Delta:

@@ -391,15 +391,10 @@ def check_attention_dtype(spec: ModelSpec, dtype: str) -> None:
 # ---------------------------------------------------------------- KV-cache arithmetic
 
 def kv_bytes_per_token(spec: ModelSpec, dtype: str) -> int:
-    """Bytes one token occupies in the cache: K and V, every layer and KV head (plus scales);
-    for MLA one latent of kv_lora_rank + qk_rope_head_dim per layer (no factor 2: it is K and V),
-    plus its two scales for int8."""
-    d = kv_dtype(dtype)
-    if spec.attention == "mla":
-        scales = MLA_SCALE_PARTS * SCALE_BYTES if d.has_scale_tensors else 0
-        return spec.num_layers * ((spec.kv_lora_rank + spec.qk_rope_head_dim) * d.bits // 8 + scales)
-    per_head = spec.head_dim * d.bits // 8 + (SCALE_BYTES if d.has_scale_tensors else 0)
-    return 2 * spec.num_layers * spec.num_kv_heads * per_head
+    """Bytes one token occupies in the cache, summed over its tensors (cache_tensors): K and V,
+    every layer and KV head (plus scales); for MLA one latent of kv_lora_rank + qk_rope_head_dim
+    per layer (no factor 2: it is K and V), plus its two scales for int8."""
+    return sum(t.bytes_per_token for t in cache_tensors(spec, dtype, spec.max_positions))
 
 
 def kv_bytes(spec: ModelSpec, dtype: str, tokens: int, batch: int = 1) -> int:
@@ -426,11 +421,60 @@ def capacity_bucket(tokens: int, max_seq_len: int) -> int:
 
 # ---------------------------------------------------------------- tensor names and shapes
 
+ITEMSIZE = {"float32": 4, "float16": 2, "int8": 1, "uint8": 1, "float8e4m3fn": 1}
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
     dtype: str
     shape: tuple  # ints and symbolic dim names
+
+
+@dataclass(frozen=True)
+class CacheTensor:
+    """One cache tensor (a past_key_values.* input) as a slot holds it: per position `heads` x
+    `width` elements of `dtype`, and at most `tokens` positions per sequence (max_seq_len for
+    every layer today; a sliding-window layer would hold its window). Every size the runtime
+    reads (slot bytes, block bytes, the reservation, the host pool) is derived from these."""
+
+    name: str
+    dtype: str
+    heads: int
+    width: int
+    tokens: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.heads * self.width * ITEMSIZE[self.dtype]
+
+    def block_shape(self, block_tokens: int) -> tuple[int, int, int]:
+        return (self.heads, block_tokens, self.width)
+
+    def bytes_per_block(self, block_tokens: int) -> int:
+        return self.bytes_per_token * block_tokens
+
+    def held(self, capacity: int) -> int:
+        """Positions a slot of `capacity` holds of this tensor."""
+        return min(capacity, self.tokens)
+
+
+def slot_bytes(tensors: tuple[CacheTensor, ...], capacity: int) -> int:
+    """Bytes of one slot of `capacity` positions over every cache tensor."""
+    return sum(t.bytes_per_token * t.held(capacity) for t in tensors)
+
+
+def cache_tensors(spec: ModelSpec, dtype: str, tokens: int) -> tuple[CacheTensor, ...]:
+    """Every cache tensor in graph order, each holding `tokens` positions per sequence: per layer
+    key and value [kv_heads, stored head_dim] (int8/int4: and their fp16 scales [kv_heads, 1]), or
+    for MLA the latent [1, r + dr] (int8: and latent_scale [1, 2], the scales of c_kv and k_pe)."""
+    d = kv_dtype(dtype)
+    width = d.stored_head_dim(spec.head_dim)
+    scale_width = MLA_SCALE_PARTS if spec.attention == "mla" else 1
+    return tuple(CacheTensor(name, SCALE_STORAGE if name.endswith("_scale") else d.storage, spec.num_kv_heads,
+                             scale_width if name.endswith("_scale") else width, tokens)
+                 for i in range(spec.num_layers)
+                 for name in kv_tensor_names(i, "past_key_values", d.has_scale_tensors, spec.attention))
 
 
 def kv_tensor_names(layer: int, prefix: str, quantized_scales: bool, attention: str = "mha") -> list[str]:
@@ -460,9 +504,6 @@ def io_tensors(spec: ModelSpec, layout: str, dtype: str) -> tuple[list[TensorSpe
     int8 adds past_key_values.{i}.latent_scale [batch, 1, T, 2] (the scales of c_kv and k_pe)."""
     check_layout_dtype(layout, dtype)
     check_attention_dtype(spec, dtype)
-    d = kv_dtype(dtype)
-    kvh, hd = spec.num_kv_heads, d.stored_head_dim(spec.head_dim)
-    scale_width = MLA_SCALE_PARTS if spec.attention == "mla" else 1
     if layout == "concat":
         inputs = [TensorSpec("input_ids", "int64", ("batch", "seq")),
                   TensorSpec("attention_mask", "int64", ("batch", "total")),
@@ -480,12 +521,9 @@ def io_tensors(spec: ModelSpec, layout: str, dtype: str) -> tuple[list[TensorSpe
         past_prefix, present_prefix = "past_key_values", "present"
     logits_shape = ("batch", "seq", spec.vocab_size) if layout == "concat" else ("kept", spec.vocab_size)
     outputs = [TensorSpec("logits", "float32", logits_shape)]
-    for i in range(spec.num_layers):
-        for prefix, length, dest in ((past_prefix, past_len, inputs), (present_prefix, present_len, outputs)):
-            for name in kv_tensor_names(i, prefix, d.has_scale_tensors, spec.attention):
-                scale = name.endswith("_scale")
-                dest.append(TensorSpec(name, SCALE_STORAGE if scale else d.storage,
-                                       ("batch", kvh, length, scale_width if scale else hd)))
+    for (past, present), t in zip(kv_pairs(spec, dtype), cache_tensors(spec, dtype, spec.max_positions)):
+        inputs.append(TensorSpec(past, t.dtype, ("batch", t.heads, past_len, t.width)))
+        outputs.append(TensorSpec(present, t.dtype, ("batch", t.heads, present_len, t.width)))
     return inputs, outputs
 
 
@@ -509,15 +547,14 @@ def kv_pairs(spec: ModelSpec, dtype: str) -> list[tuple[str, str]]:
 @dataclass(frozen=True)
 class KVBlockSpec:
     """One KV block: `tokens` consecutive positions of every cache tensor (K, V and, for per-token
-    quantized caches, their scales), exactly as a runtime slot holds them. `tensors` are the
-    past_key_values.* inputs in graph order; block_shape(name) is one block of that tensor."""
+    quantized caches, their scales), exactly as a runtime slot holds them. `tensors` are the cache
+    tensors in graph order; block_shape(name) is one block of that tensor."""
 
     tokens: int
-    tensors: tuple[TensorSpec, ...]
+    tensors: tuple[CacheTensor, ...]
 
     def block_shape(self, name: str) -> tuple[int, int, int]:
-        tensor = next(t for t in self.tensors if t.name == name)
-        return (tensor.shape[1], self.tokens, tensor.shape[3])
+        return next(t for t in self.tensors if t.name == name).block_shape(self.tokens)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -525,15 +562,11 @@ class KVBlockSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        return sum(math.prod(self.block_shape(t.name)) * ITEMSIZE[t.dtype] for t in self.tensors)
-
-
-ITEMSIZE = {"float32": 4, "float16": 2, "int8": 1, "uint8": 1, "float8e4m3fn": 1}
+        return sum(t.bytes_per_block(self.tokens) for t in self.tensors)
 
 
 def kv_block_spec(manifest: "Manifest", tokens: int = KV_BLOCK_TOKENS) -> KVBlockSpec:
-    pasts = {past for past, _ in kv_pairs(manifest.model, manifest.kv_dtype)}
-    return KVBlockSpec(tokens, tuple(t for t in manifest.io()[0] if t.name in pasts))
+    return KVBlockSpec(tokens, manifest.cache_tensors)
 
 
 def cache_namespace(manifest: "Manifest", block_tokens: int = KV_BLOCK_TOKENS) -> bytes:
@@ -586,8 +619,13 @@ class Manifest:
         return KV_DTYPES[self.kv_dtype]
 
     @property
+    def cache_tensors(self) -> tuple[CacheTensor, ...]:
+        """The per-tensor sizes of the cache (each holds max_seq_len positions per sequence)."""
+        return cache_tensors(self.model, self.kv_dtype, self.max_seq_len)
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.model, self.kv_dtype)
+        return sum(t.bytes_per_token for t in self.cache_tensors)
 
     def io(self) -> tuple[list[TensorSpec], list[TensorSpec]]:
         return io_tensors(self.model, self.kv_layout, self.kv_dtype)

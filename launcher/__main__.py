@@ -15,6 +15,7 @@ Every setting is checked before anything starts: a mistake is one line and exit 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -26,17 +27,14 @@ import uvloop
 
 from frontend.config import DEFAULT_MAX_BODY_BYTES, FrontConfig
 from frontend.server import serve
-from kvforge import env
+from kvforge import engine_config, env
+from kvforge.engine_config import EngineConfig
 from kvforge.cli import fail_cleanly
 from kvforge.limits import DRAIN_SECONDS
 from kvforge.net import CONTROL_KEY_HEADER, is_loopback, port_in_use
 from launcher.keys import DEFAULT_KEY_FILE, control_key
 from launcher.supervisor import Supervisor
 from launcher.tritonserver import READY_TIMEOUT, ServerError, TritonProcess, free_ports, server_env
-from runtime.disaggregation import THRESHOLD_TOKENS, TRANSPORTS
-from runtime.runners.ort import DEFAULT_SPIN_US, MAX_SPIN_US
-from runtime.scheduler import ITL_TARGET_DECODE_STEPS, check_itl_target, check_prefill_budget
-from runtime.speculation import MAX_DRAFT_TOKENS, Speculation
 
 
 # the query options a KV Redis URL may carry (value sets; empty: any value, e.g. a CA file's path)
@@ -67,54 +65,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-body-bytes", type=int, default=None, help="largest request body the front accepts")
     parser.add_argument("--drain-seconds", type=float, default=DRAIN_SECONDS,
                         help="on SIGTERM, how long in-flight requests may take to finish")
-    parser.add_argument("--queue-timeout", type=float, default=None,
-                        help="seconds a request may wait for a KV slot before it is refused (llm model)")
-    parser.add_argument("--request-timeout", type=float, default=None,
-                        help="seconds a request may run in all before it is ended (llm model)")
-    parser.add_argument("--itl-target-steps", type=float, default=None,
-                        help="the engine step length that prompt tokens may fill beside decoding rows, in measured "
-                        f"decode steps (default {ITL_TARGET_DECODE_STEPS:g}): larger favours time to first token, "
-                        "smaller the other streams' inter-token latency")
-    parser.add_argument("--itl-target-ms", type=float, default=None,
-                        help="the same target in milliseconds, whatever a decode step takes")
-    parser.add_argument("--prefill-budget", type=int, default=None,
-                        help="instead of the target: a fixed number of prompt tokens per engine step beside every "
-                        "decoding row")
-    parser.add_argument("--scheduler", choices=env.SCHEDULERS, default=None,
-                        help="stall-free (default): every step runs every decoding row plus prompt chunks up to "
-                        "the budget; alternate: prompt-chunk steps take turns with decode steps")
-    parser.add_argument("--disaggregate", action="store_true",
-                        help="prefill long prompts in a prefill worker process beside the decode engine, the KV "
-                        "handed over through the block store (docs/serving.md#disaggregated-prefill)")
-    parser.add_argument("--prefill-threads", type=int, default=None, help="the prefill worker's threads")
-    parser.add_argument("--decode-threads", type=int, default=None,
-                        help="the engine's threads (default: $KVFORGE_THREADS, else every core)")
-    parser.add_argument("--spin-us", type=int, default=None,
-                        help=f"microseconds an idle ONNX Runtime thread spins for work before it sleeps (default "
-                        f"{DEFAULT_SPIN_US}; spinning speeds decode on cores the engine has to itself and slows "
-                        "clients sharing them: docs/serving.md#threads)")
-    parser.add_argument("--pd-threshold", type=int, default=None,
-                        help=f"uncached prompt tokens above which a prompt goes to the prefill worker "
-                        f"(default {THRESHOLD_TOKENS})")
-    parser.add_argument("--pd-transport", choices=TRANSPORTS, default=None,
-                        help="shm: /dev/shm on this host (default); redis: through the Redis KV tier")
-    parser.add_argument("--speculative", choices=env.SPECULATIVE_METHODS, default=None,
-                        help="ngram: requests draft tokens from their own prompt and output and verify them in "
-                        "one step (prompt lookup; the same greedy and seeded text); off (default): only requests "
-                        "asking speculative=ngram do")
-    parser.add_argument("--speculative-tokens", type=int, default=None,
-                        help=f"the most tokens a draft holds (default {MAX_DRAFT_TOKENS}; it adapts to acceptance)")
-    parser.add_argument("--prefix-cache", choices=("on", "off"), default="on",
-                        help="reuse the KV of repeated prompt prefixes (llm model; default: on)")
-    parser.add_argument("--kv-host-bytes", type=int, default=None,
-                        help="byte budget of the host RAM KV block pool (default: a quarter of RAM, at most 8 GiB)")
-    parser.add_argument("--kv-disk-dir", type=Path, help="a local-disk KV tier below RAM in this directory "
-                        "(a restarted server hits what it stored; default: off)")
-    parser.add_argument("--kv-disk-bytes", type=int, help="byte budget of the disk tier (default: 8 GiB)")
-    parser.add_argument("--kv-redis-url", help="a shared Redis KV tier, redis://[:PASSWORD@]HOST:PORT/DB or "
-                        "rediss://... (default: off; $KVFORGE_KV_REDIS_URL keeps a password off the command line)")
-    parser.add_argument("--kv-redis-ttl", type=int, help="seconds before a Redis KV entry expires (default: never; "
-                        "Redis's maxmemory policy evicts)")
+    engine_config.add_flags(parser, engine_config.LAUNCHER)  # every engine setting the llm model reads
     return parser.parse_args(argv)
 
 
@@ -138,8 +89,9 @@ def redis_url_error(url: str) -> str | None:
     return None
 
 
-def check_config(args: argparse.Namespace) -> None:
-    """Refuse a bad configuration with one line, before any server starts."""
+def check_config(args: argparse.Namespace) -> EngineConfig:
+    """Refuse a bad configuration with one line, before any server starts; the engine's settings
+    as the llm model will read them."""
     ports = {"--http-port": args.http_port, "--grpc-port": args.grpc_port, "--metrics-port": args.metrics_port,
              "--openai-port": args.openai_port, "--triton-http-port": args.triton_http_port}
     ports = {flag: port for flag, port in ports.items() if port is not None}
@@ -161,58 +113,13 @@ def check_config(args: argparse.Namespace) -> None:
     if args.openai_port and not os.environ.get(env.OPENAI_API_KEY) and not is_loopback(args.host):
         raise ConfigError(f"the OpenAI-compatible API on {args.host} would be open to anyone: set "
                           f"${env.OPENAI_API_KEY} (clients send it as a bearer token) or bind 127.0.0.1")
-    for flag, value in (("--kv-host-bytes", args.kv_host_bytes),):
-        if value is not None and value < 0:
-            raise ConfigError(f"{flag} must be >= 0, got {value}")
-    for flag, value in (("--kv-disk-bytes", args.kv_disk_bytes), ("--kv-redis-ttl", args.kv_redis_ttl),
-                        ("--ready-timeout", args.ready_timeout), ("--queue-timeout", args.queue_timeout),
-                        ("--request-timeout", args.request_timeout), ("--max-body-bytes", args.max_body_bytes)):
+    for flag, value in (("--ready-timeout", args.ready_timeout), ("--max-body-bytes", args.max_body_bytes)):
         if value is not None and value <= 0:
             raise ConfigError(f"{flag} must be > 0, got {value}")
-    pd_flags = [flag for flag, value in (("--prefill-threads", args.prefill_threads), ("--pd-threshold",
-                args.pd_threshold), ("--pd-transport", args.pd_transport)) if value is not None]
-    if pd_flags and not args.disaggregate:
-        raise ConfigError(f"{', '.join(pd_flags)} configure disaggregated serving: add --disaggregate")
-    if args.disaggregate and args.prefix_cache == "off":
-        raise ConfigError("--disaggregate hands prompts' KV over as prefix-cache hits: drop --prefix-cache off")
-    for flag, value in (("--prefill-threads", args.prefill_threads), ("--decode-threads", args.decode_threads)):
-        if value is not None and not 1 <= value <= 256:
-            raise ConfigError(f"{flag} must be in 1..256, got {value}")
-    if args.spin_us is not None and not 0 <= args.spin_us <= MAX_SPIN_US:
-        raise ConfigError(f"--spin-us must be in 0..{MAX_SPIN_US}, got {args.spin_us}")
-    if args.pd_threshold is not None and args.pd_threshold < 0:
-        raise ConfigError(f"--pd-threshold must be >= 0, got {args.pd_threshold}")
-    if args.prefill_budget is not None:
-        try:
-            check_prefill_budget(args.prefill_budget)
-        except ValueError as e:
-            raise ConfigError(f"--prefill-budget: {e}") from None
-    targets = [flag for flag, value in (("--itl-target-ms", args.itl_target_ms),
-                                        ("--itl-target-steps", args.itl_target_steps)) if value is not None]
-    if targets and args.prefill_budget is not None:
-        raise ConfigError(f"--prefill-budget fixes the prompt tokens per step and {targets[0]} derives them: give one")
-    try:
-        check_itl_target(None if args.itl_target_ms is None else args.itl_target_ms / 1000, args.itl_target_steps)
-    except ValueError as e:
-        raise ConfigError(f"{' / '.join(targets)}: {e}") from None
-    if args.speculative_tokens is not None:
-        if args.speculative != "ngram":
-            raise ConfigError("--speculative-tokens sizes the drafts of --speculative ngram: add it")
-        try:
-            Speculation(max_draft_tokens=args.speculative_tokens).check()
-        except ValueError as e:
-            raise ConfigError(f"--speculative-tokens: {e}") from None
     if args.drain_seconds < 0:
         raise ConfigError(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
-    redis_url = args.kv_redis_url or os.environ.get(env.KV_REDIS_URL)
-    if redis_url and (problem := redis_url_error(redis_url)):
-        source = "--kv-redis-url" if args.kv_redis_url else f"${env.KV_REDIS_URL}"
-        raise ConfigError(f"{source} {problem} (expected redis://[:PASSWORD@]HOST:PORT/DB or rediss://...)")
-    if args.pd_transport == "redis" and not redis_url:
-        raise ConfigError("--pd-transport redis hands KV over through the Redis KV tier: give --kv-redis-url")
-    if (args.kv_disk_dir or redis_url) and args.prefix_cache == "off":
-        raise ConfigError("the disk and Redis KV tiers sit below the prefix cache: drop --prefix-cache off")
-    for flag, directory in (("--log-dir", args.log_dir), ("--kv-disk-dir", args.kv_disk_dir)):
+    config = engine_settings(args)
+    for flag, directory in (("--log-dir", args.log_dir), ("--kv-disk-dir", config.kv_disk_dir)):
         if directory is None:
             continue
         try:
@@ -221,6 +128,34 @@ def check_config(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} {directory} cannot be created: {e.strerror}") from None
         if not os.access(directory, os.W_OK | os.X_OK):
             raise ConfigError(f"{flag} {directory} is not writable")
+    return config
+
+
+def engine_settings(args: argparse.Namespace) -> EngineConfig:
+    """The engine's settings the flags give (and the Redis URL $KVFORGE_KV_REDIS_URL), checked."""
+    settings = engine_config.given(args, engine_config.LAUNCHER)
+    redis_variable = engine_config.variable("kv_redis_url")
+    if not args.kv_redis_url and os.environ.get(redis_variable):  # it reaches the model by environment
+        settings["kv_redis_url"] = os.environ[redis_variable]
+    if settings.get("kv_redis_url") and (problem := redis_url_error(settings["kv_redis_url"])):
+        source = "--kv-redis-url" if args.kv_redis_url else f"${redis_variable}"
+        raise ConfigError(f"{source} {problem} (expected redis://[:PASSWORD@]HOST:PORT/DB or rediss://...)")
+    if args.kv_disk_dir:
+        settings["kv_disk_dir"] = args.kv_disk_dir.resolve()
+    try:
+        config = engine_config.from_flags(settings)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if config.disaggregate:  # on 2 cores, 1 + 1: the workers take turns on no core
+        cores = os.cpu_count() or 2
+        prefill = config.prefill_threads or max(1, cores // 2)
+        config = dataclasses.replace(config, prefill_threads=prefill, threads=config.threads or max(1, cores - prefill))
+    return config
+
+
+def model_environment(config: EngineConfig, control_key: str, access_log: Path) -> dict[str, str]:
+    """The variables the llm model's process gets beyond the launcher's own environment."""
+    return {env.CONTROL_KEY: control_key, env.ACCESS_LOG: str(access_log), **config.environment()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,27 +165,13 @@ def main(argv: list[str] | None = None) -> int:
 
     def run() -> int:
         try:
-            check_config(args)
+            settings = check_config(args)
             key, key_source = control_key(args.control_key_file)
         except ServerError as e:
             raise ConfigError(str(e)) from None
         repo = args.repo.resolve()
         log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvforge-logs-"))
-        model_env = env.model_environment(
-            key, log_dir / "kvforge.jsonl", prefix_cache=args.prefix_cache == "on", kv_host_bytes=args.kv_host_bytes,
-            kv_disk_dir=args.kv_disk_dir, kv_disk_bytes=args.kv_disk_bytes, kv_redis_url=args.kv_redis_url,
-            kv_redis_ttl=args.kv_redis_ttl, queue_timeout=args.queue_timeout, request_timeout=args.request_timeout,
-            prefill_budget=args.prefill_budget, itl_target_ms=args.itl_target_ms,
-            itl_target_steps=args.itl_target_steps, scheduler=args.scheduler,
-            disaggregate=args.disaggregate, prefill_threads=args.prefill_threads, pd_threshold=args.pd_threshold,
-            pd_transport=args.pd_transport, speculative=args.speculative, speculative_tokens=args.speculative_tokens, spin_us=args.spin_us)
-        if args.disaggregate:  # on 2 cores, 1 + 1: the workers take turns on no core
-            cores = os.cpu_count() or 2
-            prefill = args.prefill_threads or max(1, cores // 2)
-            model_env[env.PREFILL_THREADS] = str(prefill)
-            model_env[env.THREADS] = str(args.decode_threads or max(1, cores - prefill))
-        elif args.decode_threads:
-            model_env[env.THREADS] = str(args.decode_threads)
+        model_env = model_environment(settings, key, log_dir / "kvforge.jsonl")
         own = (args.http_port, args.grpc_port, args.metrics_port, args.openai_port)
         triton = TritonProcess(repo, args.host, args.triton_http_port or free_ports(1, exclude=own)[0], args.grpc_port,
                                args.metrics_port, key, log_dir / "triton.log", server_env(model_env))

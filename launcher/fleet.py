@@ -11,10 +11,11 @@ so none reaches the router's 8080. Only the router binds --host. Every port is c
 before anything starts. The host's resources are split, not multiplied: each replica gets
 cores/N ONNX Runtime threads ($KVFORGE_THREADS), TOTAL/N of the KV RAM pool and of the disk
 budget, and its own LOG_DIR/replica-i and KV_DISK_DIR/replica-i; $KVFORGE_KV_REDIS_URL (one Redis
-they share) and the control key reach every replica by environment. Any other flag is the
-launcher's (`--prefill-budget`, `--scheduler`, `--disaggregate`, `--speculative`, `--spin-us`, ...:
-what `make fleet` passes as KV_FLAGS), checked as the launcher checks it before anything starts,
-and given to every replica. Ctrl-C or SIGTERM stops the router, then every replica (each drains first).
+they share) and the control key reach every replica by environment. The engine's other settings
+(`--prefill-budget`, `--scheduler`, `--disaggregate`, `--speculative`, `--spin-us`, ...:
+kvforge/engine_config.py; what `make fleet` passes as KV_FLAGS) and the launcher's other flags are
+checked as the launcher checks them before anything starts, and given to every replica. Ctrl-C or
+SIGTERM stops the router, then every replica (each drains first).
 """
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from frontend import router
-from kvforge import env
+from frontend.router import __main__ as router
+from kvforge import engine_config
 from kvforge.cli import fail_cleanly
 from kvforge.net import port_in_use
 from launcher import __main__ as launcher_cli
@@ -38,9 +39,15 @@ from runtime.kv.block_pool import default_kv_host_bytes
 MAX_REPLICAS = 7  # replica 8 would put its front on 8080, the router's port
 PORT_STEP = 10
 HTTP, GRPC, METRICS, OPENAI = 8000, 8001, 8002, 9000  # `make serve`'s ports; replica i adds 10*i
+THREADS = engine_config.variable("threads")  # each replica's share of the cores, unless the operator set it
 # launcher flags the fleet sets per replica itself: one value for every replica would collide or split nothing
 PER_REPLICA_FLAGS = ("--http-port", "--grpc-port", "--metrics-port", "--openai-port", "--triton-http-port",
                      "--control-key-file")
+# the engine settings split among the replicas rather than given to each
+SHARES = {"kv_host_bytes": "the host RAM KV pools' total, split evenly (default: a quarter of RAM, at most 8 GiB, "
+                           "split evenly)",
+          "kv_disk_dir": "replica i's disk KV tier in DIR/replica-i (default: off)",
+          "kv_disk_bytes": "the disk tiers' total, split evenly (default: 8 GiB each)"}
 
 
 class FleetError(ValueError):
@@ -62,12 +69,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(default: kv; docs/fleet.md)")
     parser.add_argument("--log-dir", type=Path, default=Path("build/logs"), help="replica i logs in DIR/replica-i")
     parser.add_argument("--ready-timeout", type=float, default=120.0, help="seconds each replica may take to start")
-    parser.add_argument("--prefix-cache", choices=("on", "off"), default="on")
-    parser.add_argument("--kv-host-bytes", type=int, help="the host RAM KV pools' total, split evenly "
-                        "(default: a quarter of RAM, at most 8 GiB, split evenly)")
-    parser.add_argument("--kv-disk-dir", type=Path, help="replica i's disk KV tier in DIR/replica-i (default: off)")
-    parser.add_argument("--kv-disk-bytes", type=int, help="the disk tiers' total, split evenly (default: 8 GiB each)")
-    args, args.engine_flags = parser.parse_known_args(argv)
+    # the engine's settings, given to every replica; these three are split among them instead
+    engine_config.add_flags(parser, engine_config.LAUNCHER, helps=SHARES)
+    args, args.launcher_flags = parser.parse_known_args(argv)  # the launcher's others: --drain-seconds, ...
     return args
 
 
@@ -87,7 +91,7 @@ def check(args: argparse.Namespace) -> None:
     for flag in ("kv_host_bytes", "kv_disk_bytes"):
         if getattr(args, flag) is not None and getattr(args, flag) < args.replicas:
             raise FleetError(f"--{flag.replace('_', '-')} must be at least --replicas bytes")
-    for flag in args.engine_flags:
+    for flag in args.launcher_flags:
         if flag.split("=")[0] in PER_REPLICA_FLAGS:
             raise FleetError(f"{flag.split('=')[0]} is set per replica by the fleet (the default ports + 10*i)")
 
@@ -101,14 +105,22 @@ def check_replica(replica: TritonServer) -> None:
 
 
 def launcher_flags(args: argparse.Namespace, i: int) -> list[str]:
-    """Replica i's share (its pool bytes, its disk directory and bytes), then the engine flags every replica takes."""
-    host_bytes = (args.kv_host_bytes or default_kv_host_bytes()) // args.replicas
-    flags = ["--prefix-cache", args.prefix_cache, "--kv-host-bytes", str(host_bytes)]
+    """Replica i's launcher flags: the engine settings given, with its share of the KV pool's and
+    the disk tier's bytes and its own disk directory, then the launcher's other flags."""
+    settings = engine_config.given(args, engine_config.LAUNCHER)
+    settings["kv_host_bytes"] = (args.kv_host_bytes or default_kv_host_bytes()) // args.replicas
     if args.kv_disk_dir:
-        flags += ["--kv-disk-dir", str(args.kv_disk_dir / f"replica-{i}")]
+        settings["kv_disk_dir"] = args.kv_disk_dir / f"replica-{i}"
     if args.kv_disk_bytes:
-        flags += ["--kv-disk-bytes", str(args.kv_disk_bytes // args.replicas)]
-    return flags + args.engine_flags
+        settings["kv_disk_bytes"] = args.kv_disk_bytes // args.replicas
+    return engine_config.flags_of(settings) + args.launcher_flags
+
+
+def make_replicas(args: argparse.Namespace, control_key: str) -> list[TritonServer]:
+    """The replicas' launchers, not started."""
+    return [TritonServer(args.repo, **replica_ports(i), log_dir=args.log_dir / f"replica-{i}",
+                         ready_timeout=args.ready_timeout, extra_args=launcher_flags(args, i), control_key=control_key)
+            for i in range(1, args.replicas + 1)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,18 +130,15 @@ def main(argv: list[str] | None = None) -> int:
         check(args)
         key, _ = control_key(DEFAULT_KEY_FILE)  # one key for every replica: clear_prefix_cache fans out with it
         # the children inherit it; a threads count the operator set is theirs to keep
-        os.environ.setdefault(env.THREADS, str(max(1, (os.cpu_count() or 1) // args.replicas)))
-        replicas = [TritonServer(args.repo, **replica_ports(i), log_dir=args.log_dir / f"replica-{i}",
-                                 ready_timeout=args.ready_timeout, extra_args=launcher_flags(args, i),
-                                 control_key=key)
-                    for i in range(1, args.replicas + 1)]
+        os.environ.setdefault(THREADS, str(max(1, (os.cpu_count() or 1) // args.replicas)))
+        replicas = make_replicas(args, key)
         check_replica(replicas[0])  # the engine flags are every replica's; the ports were checked free above
         # SIGTERM while the replicas start: stop what was started (the router then handles its own)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         try:
             for i, replica in enumerate(replicas, 1):
                 print(f"[fleet] starting replica {i}/{args.replicas} on port {replica.http_port} "
-                      f"({os.environ[env.THREADS]} threads; logs in {replica.log_dir})", file=sys.stderr, flush=True)
+                      f"({os.environ[THREADS]} threads; logs in {replica.log_dir})", file=sys.stderr, flush=True)
                 replica.start()
             return router.main(["--repo", str(args.repo), "--host", args.host, "--port", str(args.router_port),
                                 "--policy", args.policy,

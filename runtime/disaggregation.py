@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvforge import env
+from kvforge.engine_config import THRESHOLD_TOKENS, TRANSPORTS, flags_of, variable
 from kvforge.block_hash import chain
 from kvforge.manifest import Manifest, cache_namespace, kv_block_spec
 from runtime.kv.tiers.codec import BlockCodec
@@ -45,10 +46,6 @@ from runtime.kv.tiers.handoff import DEFAULT_ROOT, HandoffTier
 
 log = logging.getLogger("kvforge.disaggregation")
 
-TRANSPORTS = ("shm", "redis")
-# Prompts with fewer uncached tokens stay local: a remote prefill costs a round trip and a
-# hand-off, which a few hundred tokens of stall-free prefill do not repay (bench mixed_load).
-THRESHOLD_TOKENS = 512
 MAX_QUEUE = 2  # remote prefills in flight beyond which prompts stay local (the worker is saturated)
 LEASE_SECONDS = 60.0
 HANDOFF_TIMEOUT = 300.0
@@ -158,8 +155,8 @@ class PrefillWorker:
     def _command(self) -> list[str]:
         command = [python_executable(), "-m", "runtime.prefill_worker", "--engine", str(self.engine_dir),
                    "--socket", str(self.private / "socket"), "--lease-seconds", str(self.config.lease_seconds)]
-        if self.config.threads:
-            command += ["--threads", str(self.config.threads)]
+        # the worker's engine: one prompt at a time, on its own threads
+        command += flags_of({"slots": 1, **({"threads": self.config.threads} if self.config.threads else {})})
         if self.handoff is not None:
             command += ["--handoff-dir", str(self.handoff.dir)]
         return command
@@ -172,7 +169,7 @@ class PrefillWorker:
         environment = dict(os.environ, **{env.PD_AUTHKEY: self.authkey.hex()},
                            PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         if self.config.transport == "redis":
-            environment[env.KV_REDIS_URL] = self.config.redis_url
+            environment[variable("kv_redis_url")] = self.config.redis_url
         self.process = subprocess.Popen(self._command(), env=environment, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + START_TIMEOUT
         while not socket.exists():

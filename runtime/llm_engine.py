@@ -21,10 +21,12 @@ from typing import Callable
 from kvforge.manifest import Manifest, ManifestError, cache_namespace
 from kvforge.block_hash import MAX_CACHE_SALT_BYTES
 from kvforge.errors import EngineError, RequestError
-from kvforge.limits import DEFAULT_KV_CACHE_BYTES, Limits
+from kvforge.engine_config import EngineConfig
+from kvforge.limits import Limits
 from runtime.disaggregation import Disaggregation, PrefillWorker
 from runtime.kv.block_pool import HostBlockPool, default_kv_host_bytes
 from runtime.kv.manager import KVManager
+from runtime.kv.rows import KVCopies
 from runtime.kv.tiers.codec import BlockCodec
 from runtime.kv.tiers.disk import DiskTier
 from runtime.kv.tiers.lower import LowerTiers
@@ -32,15 +34,14 @@ from runtime.kv.tiers.redis import RedisTier
 from runtime.runners import open_runner
 from runtime.runners.base import Batch
 from runtime.sampling import SamplingParams
-from runtime.scheduler import SOLO_PREFILL_TOKENS, Scheduler
+from runtime.scheduler import Scheduler
 from runtime.sequence import RequestOutput, Sequence
 from runtime.speculation import NgramIndex, Speculation
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
-__all__ = ["LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
 
 log = logging.getLogger("kvforge.engine")
-DEFAULT_KV_DISK_BYTES = 8 << 30
 LOAD_POLL_SECONDS = 0.01
 # generate() waits at most this long by default; close() this long for the engine thread (a step
 # in flight finishes first: generous for a big model's prefill chunk on a busy CPU)
@@ -50,71 +51,54 @@ Prompt = str | list[int]
 
 
 class LLMEngine:
-    def __init__(self, engine_dir: Path | str, *, slots: int | None = None, max_waiting: int | None = None,
-                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, prefill_budget: int | None = None,
-                 itl_target: float | None = None, itl_target_steps: float | None = None,
-                 solo_prefill_tokens: int = SOLO_PREFILL_TOKENS, stall_free: bool = True,
-                 threads: int | None = None, prefix_cache: bool = True, kv_host_bytes: int | None = None,
-                 kv_disk_dir: Path | str | None = None, kv_disk_bytes: int = DEFAULT_KV_DISK_BYTES,
-                 kv_redis_url: str | None = None, kv_redis_ttl: int | None = None, admission: str = "optimistic",
-                 disaggregation: Disaggregation | dict | None = None, speculation: Speculation | dict | None = None):
-        """prefix_cache: reuse the KV of repeated prompt prefixes from a host RAM pool of
-        kv_host_bytes (default: a quarter of RAM, at most 8 GiB), and below it from files in
-        kv_disk_dir (at most kv_disk_bytes) and from the Redis at kv_redis_url (keys expire after
-        kv_redis_ttl seconds if given), which other replicas of the same model share.
-        admission: "optimistic" admits on the KV sequences hold now and, when they outgrow
-        kv_cache_bytes, preempts the youngest (its row swapped to the host pool, or recomputed
-        beyond the swap reserve); "reserve" promises every request prompt + max_tokens up front.
-        stall_free (the default): every step runs every decoding row plus prompt tokens; as many as
-        keep the step within itl_target seconds or itl_target_steps measured decode steps, or
-        a fixed prefill_budget of them (runtime/scheduler.py); stall_free=False alternates
-        prompt-chunk steps with decode steps.
-        disaggregation: long uncached prompts are prefilled by a prefill worker process and handed
-        over as a prefix hit (runtime/disaggregation.py); needs the prefix cache.
-        speculation: requests draft tokens from their own context and verify them in one step
-        (runtime/speculation.py); None: only requests asking speculative="ngram" do."""
-        if admission not in ("optimistic", "reserve"):
-            raise ValueError(f"admission must be 'optimistic' or 'reserve', got {admission!r}")
+    def __init__(self, engine_dir: Path | str, config: EngineConfig | None = None, *,
+                 disaggregation: Disaggregation | None = None, speculation: Speculation | None = None, **settings):
+        """config: the engine's settings (kvforge/engine_config.py says what each does); keyword
+        settings replace single ones: LLMEngine(engine_dir, slots=4, prefix_cache=False).
+        disaggregation and speculation tune in process what the settings make of them (the
+        prefill worker's queue, lease and timeout; the drafts' n-grams and rows); by default
+        they follow config's disaggregate / pd_* and speculative / speculative_tokens."""
+        config = self.config = dataclasses.replace(config or EngineConfig(), **settings)
         engine_dir = Path(engine_dir)
         manifest = Manifest.load(engine_dir)
         if manifest.kv_layout != "inplace":
             raise ManifestError(f"continuous batching needs the inplace KV layout; {engine_dir} is "
                                 f"{manifest.kv_layout} (re-export with --kv-layout inplace)")
         self.manifest = manifest
-        self.limits = Limits.from_manifest(manifest, slots, max_waiting, kv_cache_bytes)
+        self.limits = Limits.from_manifest(manifest, config.slots, config.max_waiting, config.kv_cache_bytes)
         self.tokenizer = Tokenizer(engine_dir, manifest)
-        self.runner = open_runner(engine_dir, threads)
-        kv_host_bytes = default_kv_host_bytes() if kv_host_bytes is None else kv_host_bytes
-        if kv_host_bytes < 0:
-            raise ValueError(f"kv_host_bytes must be >= 0, got {kv_host_bytes}")
-        pool = HostBlockPool(self.runner.block, kv_host_bytes) if prefix_cache else None
+        self.runner = open_runner(engine_dir, config.threads, config.spin_us)
+        kv_host_bytes = default_kv_host_bytes() if config.kv_host_bytes is None else config.kv_host_bytes
+        pool = HostBlockPool(self.runner.block, kv_host_bytes) if config.prefix_cache else None
         self._cond = threading.Condition()
         namespace = cache_namespace(manifest)
         self.tiers, self.pd, self._remote = None, None, {}
         self.pd_counters = dict(pd_remote_prefills=0, pd_local_prefills=0, pd_handoffs=0, pd_handoff_bytes=0,
                                 pd_handoff_failures=0, pd_handoff_expired=0)
-        if isinstance(disaggregation, dict):  # the fields, as kvforge.env.engine_options reads them
-            disaggregation = Disaggregation(**disaggregation)
+        if disaggregation is None and config.disaggregate:
+            disaggregation = Disaggregation(threads=config.prefill_threads, transport=config.pd_transport,
+                                            threshold_tokens=config.pd_threshold)
         if disaggregation is not None:
             if pool is None:
                 raise ValueError("disaggregated serving hands the KV over as a prefix hit: it needs the prefix cache")
-            self.pd = PrefillWorker(engine_dir, dataclasses.replace(disaggregation, redis_url=kv_redis_url),
+            self.pd = PrefillWorker(engine_dir, dataclasses.replace(disaggregation, redis_url=config.kv_redis_url),
                                     self._handed_off)
         handoff = [self.pd.handoff] if self.pd is not None and self.pd.handoff is not None else []
-        if pool is not None and (kv_disk_dir or kv_redis_url or handoff):
-            if kv_disk_bytes <= 0 or (kv_redis_ttl is not None and kv_redis_ttl <= 0):
-                raise ValueError("kv_disk_bytes and kv_redis_ttl must be > 0")
+        if pool is not None and (config.kv_disk_dir or config.kv_redis_url or handoff):
             codec = BlockCodec(self.runner.block, namespace)
-            tiers = handoff + ([DiskTier(Path(kv_disk_dir), kv_disk_bytes, codec)] if kv_disk_dir else [])
-            tiers += [RedisTier(kv_redis_url, codec, kv_redis_ttl)] if kv_redis_url else []
+            tiers = handoff + ([DiskTier(Path(config.kv_disk_dir), config.kv_disk_bytes, codec)]
+                               if config.kv_disk_dir else [])
+            tiers += [RedisTier(config.kv_redis_url, codec, config.kv_redis_ttl)] if config.kv_redis_url else []
             self.tiers = LowerTiers(codec, tiers, wake=self._wake)
         self.kv = KVManager(self.runner, self.limits.slots, self.limits.kv_cache_bytes, pool, namespace, self.tiers,
-                            optimistic=admission == "optimistic")
-        if isinstance(speculation, dict):  # the fields, as kvforge.env.engine_options reads them
-            speculation = Speculation(**speculation)
+                            optimistic=config.admission == "optimistic")
+        if speculation is None and config.speculative == "ngram":
+            speculation = Speculation(max_draft_tokens=config.speculative_tokens)
         self.speculates_by_default = speculation is not None
-        self.scheduler = Scheduler(self.kv, manifest.max_seq_len, self.limits.max_waiting, prefill_budget, itl_target,
-                                   itl_target_steps, solo_prefill_tokens, stall_free, speculation or Speculation())
+        itl_target = None if config.itl_target_ms is None else config.itl_target_ms / 1000
+        self.scheduler = Scheduler(self.kv, manifest.max_seq_len, self.limits.max_waiting, config.prefill_budget,
+                                   itl_target, config.itl_target_steps, config.solo_prefill_tokens,
+                                   config.scheduler == "stall-free", speculation or Speculation())
         self._ids = itertools.count(1)
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="kvforge-engine", daemon=True)
@@ -129,7 +113,8 @@ class LLMEngine:
         """Queue a request; returns its id. Raises RequestError (QueueFullError when saturated).
         cache_salt: the request shares cached prefixes only with requests of the same salt.
         A request still waiting for a slot after queue_timeout seconds, or still running after
-        timeout seconds, ends with finish_reason "timeout"."""
+        timeout seconds, ends with finish_reason "timeout" (None: the config's queue_timeout and
+        request_timeout; unset: no bound)."""
         seq = self._prepare(prompt, params, on_output, cache_salt, queue_timeout, timeout)
         self._enqueue([seq])
         return seq.request_id
@@ -164,11 +149,13 @@ class LLMEngine:
         if params.speculative == "ngram" or (params.speculative is None and self.speculates_by_default):
             seq.ngrams = NgramIndex(self.scheduler.speculation.max_ngram)
             seq.draft_limit = self.scheduler.speculation.max_draft_tokens
+        queue_timeout = self.config.queue_timeout if queue_timeout is None else queue_timeout
+        timeout = self.config.request_timeout if timeout is None else timeout
         if queue_timeout is not None:
             seq.queue_deadline = seq.arrived + queue_timeout
         if timeout is not None:
             seq.deadline = seq.arrived + timeout
-        if not self.kv.fits_ever(seq):
+        if not self.kv.rows.fits_ever(seq):
             raise RequestError(f"the request needs {self.runner.bucket_for(seq.max_tokens_total)} KV tokens "
                                f"(its capacity bucket) but the cache holds {self.limits.kv_tokens}; "
                                "lower max_tokens or shorten the prompt")
@@ -181,7 +168,7 @@ class LLMEngine:
             if self._closed:
                 raise EngineError("the engine is shut down")
             for seq in seqs:
-                if self.pd is not None and self.pd.accepts(self.kv.uncached_tokens(seq)):
+                if self.pd is not None and self.pd.accepts(self.kv.prefix.uncached_tokens(seq)):
                     self.scheduler.check_room(len(self._remote))
                     self._remote[seq.request_id] = seq
                     self.pd_counters["pd_remote_prefills"] += 1
@@ -289,12 +276,12 @@ class LLMEngine:
         """The leading full blocks of a prompt in the prefix cache: hashes and copies (what a
         prefill worker hands over)."""
         with self._cond:
-            return self.kv.cached_blocks(token_ids, salt)
+            return self.kv.prefix.cached_blocks(token_ids, salt)
 
     def clear_prefix_cache(self) -> int:
         """Forget every cached prefix block (running requests are unaffected); returns how many."""
         with self._cond:
-            return self.kv.clear()
+            return self.kv.prefix.clear()
 
     # ------------------------------------------------------------------ the step loop
 
@@ -309,12 +296,14 @@ class LLMEngine:
             try:
                 began = time.perf_counter()
                 with self._cond:
-                    outputs, batch = self.scheduler.schedule()
+                    outputs, batch, copies = self.scheduler.schedule()
                 if batch is not None:
-                    outputs += self._step(batch, began)
-                elif not outputs:  # only loads are pending: sleep until one ends (or a deadline passes)
-                    with self._cond:
-                        self._cond.wait(LOAD_POLL_SECONDS)
+                    outputs += self._step(batch, copies, began)
+                else:
+                    copies.run()  # the rows cancelled or expired requests left, given back
+                    if not outputs:  # only loads are pending: sleep until one ends (or a deadline passes)
+                        with self._cond:
+                            self._cond.wait(LOAD_POLL_SECONDS)
             except Exception as e:  # a failed step ends the running requests, not the engine
                 log.exception("engine step failed")
                 with self._cond:
@@ -326,15 +315,19 @@ class LLMEngine:
             outputs = [(seq, seq.finish("error", "the engine shut down")) for seq in left]
         self._emit(outputs)
 
-    def _step(self, batch: Batch, began: float) -> list[tuple[Sequence, RequestOutput]]:
-        """Run one batch: the only work done without the lock (it touches nothing but the runner).
-        The scheduler measures the whole step, from scheduling it to its outputs, not the runner
-        alone."""
+    def _step(self, batch: Batch, copies: KVCopies, began: float) -> list[tuple[Sequence, RequestOutput]]:
+        """Run one batch and the KV copies the scheduler decided before and after it: the work done
+        without the lock (it touches the runner, and pool blocks the step's rows hold). The
+        scheduler measures the whole step, from scheduling it to its outputs, copies included, not
+        the runner alone."""
+        copies.run()  # rows moved and resized, prefix hits and swapped-out rows copied in
         logits = self.runner.step(batch.input_ids, batch.write_positions, batch.num_new, batch.logit_positions)
         with self._cond:
-            outputs = self.scheduler.postprocess(batch, logits)
+            outputs, copies = self.scheduler.postprocess(batch, logits)
+        copies.run()  # finished rows refilled, the buffers shrunk
+        with self._cond:
             self.scheduler.measured(batch, time.perf_counter() - began)
-            return outputs
+        return outputs
 
     @staticmethod
     def _emit(outputs: list[tuple[Sequence, RequestOutput]]) -> None:

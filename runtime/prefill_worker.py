@@ -2,7 +2,10 @@
 its own LLMEngine prefills the prompts the decode engine sends, then writes their full KV blocks
 to the hand-off (/dev/shm, or the Redis tier written through) and reports each one done.
 
-    python -m runtime.prefill_worker --engine DIR --socket PATH [--handoff-dir DIR] [--threads N]
+    python -m runtime.prefill_worker --engine DIR --socket PATH [--handoff-dir DIR] [ENGINE SETTINGS]
+
+ENGINE SETTINGS are its engine's, as kvforge/engine_config.py derives their flags (the decode
+side gives --slots 1 and the worker's threads as its engine's --decode-threads).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from pathlib import Path
 
 from kvforge import env
 from kvforge.block_hash import placement_tags
+from kvforge.engine_config import EngineConfig, add_flags, from_flags, given, variable
 from kvforge.errors import KVForgeError
 from kvforge.manifest import Manifest, cache_namespace, kv_block_spec
 from runtime.disaggregation import LEASE_SECONDS
@@ -33,16 +37,17 @@ log = logging.getLogger("kvforge.prefill_worker")
 # the stream's ITL p99 / p50 2.43x at nice 10 vs 2.99x at 0, long-prompt TTFT 6.47 vs 6.66 s).
 NICE = 10
 
-def serve(engine_dir: Path, socket: Path, threads: int | None, handoff_dir: Path | None, lease_seconds: float) -> None:
+def serve(engine_dir: Path, socket: Path, config: EngineConfig, handoff_dir: Path | None,
+          lease_seconds: float) -> None:
     manifest = Manifest.load(engine_dir)
     codec = BlockCodec(kv_block_spec(manifest), cache_namespace(manifest))
     if handoff_dir is not None:
         transport = HandoffTier(handoff_dir, codec)
     else:
-        transport = RedisTier(os.environ[env.KV_REDIS_URL], codec, ttl_seconds=int(lease_seconds))
+        transport = RedisTier(os.environ[variable("kv_redis_url")], codec, ttl_seconds=int(lease_seconds))
     parent, send_lock, cancelled = os.getppid(), threading.Lock(), set()
     submitted_at, request_ids = {}, {}  # job -> when it arrived; job -> its request in this engine
-    with LLMEngine(engine_dir, threads=threads, slots=1) as engine, \
+    with LLMEngine(engine_dir, config) as engine, \
             Listener(str(socket), family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop(env.PD_AUTHKEY))) as listener:
         conn = listener.accept()
 
@@ -117,13 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runtime.prefill_worker", description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", type=Path, required=True)
     parser.add_argument("--socket", type=Path, required=True)
-    parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--handoff-dir", type=Path, default=None, help="the shared-memory hand-off (default: Redis)")
     parser.add_argument("--lease-seconds", type=float, default=LEASE_SECONDS)
+    add_flags(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="[kvforge prefill worker] %(message)s")
     os.nice(NICE)  # before the engine starts its threads: they inherit it
-    serve(args.engine, args.socket, args.threads, args.handoff_dir, args.lease_seconds)
+    serve(args.engine, args.socket, from_flags(given(args)), args.handoff_dir, args.lease_seconds)
     return 0
 
 

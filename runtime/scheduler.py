@@ -1,10 +1,13 @@
-"""Continuous batching over the runner's KV slots: the policy of what runs next. It only decides;
-the KV manager (runtime/kv/manager.py) moves rows, sizes buffers and copies prefix-cache blocks
-in and out, and the engine (runtime/llm_engine.py) runs each step: schedule -> run -> postprocess.
+"""Continuous batching over the runner's KV slots: the policy of what runs next. It only decides,
+and returns what to copy: the packed rows (runtime/kv/rows.py, behind the KV manager
+runtime/kv/manager.py) record the row moves, resizes and prefix-cache copies its decisions
+imply, and the engine (runtime/llm_engine.py) runs each step: schedule -> copies, run ->
+postprocess -> copies.
 
-Running sequences occupy runner rows 0..n-1 (`running[i]` is row i). Between steps, finished
-and cancelled sequences leave (the last row moves into the hole) and waiting ones join, placed
-in front of the decoding rows (so prompt rows come first, in arrival order). A step feeds each
+Running sequences occupy runner rows 0..n-1 (`running[i]` is row i, a read-only view of the
+packed rows). Between steps, finished and cancelled sequences leave (the last row moves into the
+hole) and waiting ones join, placed in front of the decoding rows (so prompt rows come first, in
+arrival order). A step feeds each
 row num_new[b] of its pending tokens (as a right-padded [rows, S] Batch; the runner packs the
 real tokens); a row samples when it has consumed all it had.
 
@@ -16,7 +19,7 @@ prompt's chunk shares the step only when its span is like the others': similar_s
 The budget follows an inter-token-latency target, as Sarathi-Serve derives its token budget from
 the TBT SLO: StepCosts measures, as the engine runs, what a decode step takes and what each
 prompt token adds to a step, and each step beside decoding rows gets the prompt tokens that keep
-it within the target: ITL_TARGET_DECODE_STEPS measured decode steps (1.5), or an absolute
+it within the target: ITL_TARGET_DECODE_STEPS measured decode steps (1.3), or an absolute
 `itl_target` (seconds). A step costs about a decode step (the weights read once) plus ~1.2-2 ms
 per prompt token on small-llama with 2 threads, so a fixed budget tuned one day (32 tokens:
 ~3.5x a decode step on 2026-12-04) lands elsewhere on another; the target holds on both. Until
@@ -41,23 +44,17 @@ from collections import deque
 
 import numpy as np
 
+from kvforge.engine_config import (ITL_TARGET_DECODE_STEPS, MAX_PREFILL_BUDGET, MIN_PREFILL_BUDGET,
+                                   SOLO_PREFILL_TOKENS, bounds_problem, setting_named)
 from kvforge.errors import QueueFullError
 from runtime.kv.manager import KVManager
+from runtime.kv.rows import KVCopies
 from runtime.runners.base import Batch
 from runtime.sequence import RequestOutput, Sequence, Status
 from runtime.speculation import Speculation, continuations, draft_length, pause_after
 
 MIX_PADDING_TOKENS = 16
 PREFILL_BUDGET = 32  # prompt tokens beside decoding rows before the step costs are measured
-SOLO_PREFILL_TOKENS = 512
-MIN_PREFILL_BUDGET, MAX_PREFILL_BUDGET = 2, 8192
-# the default inter-token-latency target, in measured decode steps: a step beside decoding rows
-# takes at most this many. `python -m bench --sections stream_gaps` (small-llama, 2026-12-04, 10
-# rounds each) measured 1.5 best on every count: stream ITL p99 3.4x its pace alone (2.5: 5.7x,
-# fixed 32 tokens: 7.7x), largest gap 3.7x (6.3x, 8.2x), long prompts' TTFT 1.33x alone (1.28x,
-# 1.2x): per prompt token, small chunks cost less on this CPU than large ones
-ITL_TARGET_DECODE_STEPS = 1.5
-MAX_ITL_TARGET, MAX_ITL_STEPS = 10.0, 100.0  # seconds, decode steps
 # how much one step's measurement moves the running estimates (exponentially weighted)
 COST_WEIGHT = 0.3
 # A request loading its prefix from disk / Redis waits at most as long as recomputing it is
@@ -67,19 +64,19 @@ LOAD_DEADLINE_FLOOR, LOAD_DEADLINE_UNMEASURED = 0.01, 2.0
 
 
 def check_prefill_budget(budget: int) -> None:
-    if not isinstance(budget, int) or not MIN_PREFILL_BUDGET <= budget <= MAX_PREFILL_BUDGET:
-        raise ValueError(f"the prefill budget must be a whole number of prompt tokens per step in "
-                         f"{MIN_PREFILL_BUDGET}..{MAX_PREFILL_BUDGET}, got {budget!r}")
+    """The budget as kvforge/engine_config.py declares it (prompt tokens per step)."""
+    if problem := bounds_problem(setting_named("prefill_budget"), budget):
+        raise ValueError(f"the prefill budget (prompt tokens per step) {problem}")
 
 
 def check_itl_target(seconds: float | None, decode_steps: float | None) -> None:
+    """The target as kvforge/engine_config.py declares it (itl_target_ms, itl_target_steps)."""
     if seconds is not None and decode_steps is not None:
         raise ValueError("give the inter-token latency target in seconds or in decode steps, not both")
-    if seconds is not None and not (isinstance(seconds, (int, float)) and 0 < seconds <= MAX_ITL_TARGET):
-        raise ValueError(f"the inter-token latency target must be in (0, {MAX_ITL_TARGET:g}] seconds, got {seconds!r}")
-    if decode_steps is not None and not (isinstance(decode_steps, (int, float)) and 1 < decode_steps <= MAX_ITL_STEPS):
-        raise ValueError(f"the inter-token latency target must be in (1, {MAX_ITL_STEPS:g}] decode steps, "
-                         f"got {decode_steps!r}")
+    milliseconds = seconds * 1000 if isinstance(seconds, (int, float)) else seconds
+    for name, value in (("itl_target_ms", milliseconds), ("itl_target_steps", decode_steps)):
+        if problem := bounds_problem(setting_named(name), value):
+            raise ValueError(f"the inter-token latency target {problem}")
 
 
 class StepCosts:
@@ -157,7 +154,6 @@ class Scheduler:
         self.solo_prefill_tokens = max(prefill_budget or PREFILL_BUDGET, solo_prefill_tokens)  # when no row decodes
         self.stall_free = stall_free
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
         self.requests: dict[int, Sequence] = {}
         self.cancelled: set[int] = set()
         self.last_kind = "decode"
@@ -167,6 +163,11 @@ class Scheduler:
                              preempted_recompute=0, row_steps=0, spec_verify_rows=0, spec_draft_tokens=0,
                              spec_accepted_tokens=0)
         self.prefill_tokens_per_second: float | None = None  # measured, for the load-or-recompute choice
+
+    @property
+    def running(self) -> tuple[Sequence, ...]:
+        """The sequences in runner rows 0..n-1, in row order."""
+        return self.kv.rows.running
 
     def check_room(self, elsewhere: int = 0) -> None:
         """Refuse a request when the queue is full; `elsewhere` requests waiting outside the
@@ -192,22 +193,23 @@ class Scheduler:
 
     # ------------------------------------------------------------------ before a step
 
-    def schedule(self) -> tuple[list[tuple[Sequence, RequestOutput]], Batch | None]:
-        """Apply cancellations, admit what fits, and pick the next step (None when idle).
+    def schedule(self) -> tuple[list[tuple[Sequence, RequestOutput]], Batch | None, KVCopies]:
+        """Apply cancellations, admit what fits, and pick the next step (None when idle); returns
+        the outputs of requests that ended, the step and the KV copies to run before it.
         Admission is first come, first served, except that a request whose prefix a running
         sequence is computing right now lets the ones behind it go first and waits for it."""
         outputs = [(seq, self._cancel(seq)) for seq in map(self.requests.get, self.cancelled) if seq]
         self.cancelled.clear()
         outputs += self._expire(time.perf_counter())
-        while len(self.running) > 1 and not self.kv.fits(self.running):
+        while len(self.running) > 1 and not self.kv.rows.fits():
             self._preempt()
-        for request_id in self.kv.finish_loads():
+        for request_id in self.kv.loads.finish():
             if request_id in self.requests:
                 self.requests[request_id].load_deadline = None
         now = time.monotonic()
         for seq in list(self.waiting):
             if seq.swapped_blocks is not None:  # preempted: it resumes first, with its own KV
-                if not self.kv.can_admit(seq, self.running):
+                if not self.kv.rows.can_admit(seq):
                     break
                 self.waiting.remove(seq)
                 self._place(seq, [])
@@ -217,20 +219,21 @@ class Scheduler:
                     continue
                 seq.load_deadline = None  # slower than recomputing it: go without
                 self.counters["tier_loads_expired"] += 1
-            hit, wait = self.kv.match(seq)
+            hit, wait = self.kv.prefix.match(seq)
             if wait:
                 self.counters["prefix_waits"] += 1
                 continue
             recompute = self._recompute_seconds(seq, len(hit))
-            if self.kv.start_load(seq, hit, recompute):
+            if self.kv.loads.start(seq, hit, recompute):
                 seq.load_deadline = now + (LOAD_DEADLINE_UNMEASURED if recompute is None
                                            else max(recompute, LOAD_DEADLINE_FLOOR))
                 continue
-            if not self.kv.can_admit(seq, self.running):
+            if not self.kv.rows.can_admit(seq):
                 break
             self.waiting.remove(seq)
             self._place(seq, hit)
-        return outputs, (self._next_batch() if self.running else None)
+        batch = self._next_batch() if self.running else None
+        return outputs, batch, self.kv.rows.take_copies()
 
     def _recompute_seconds(self, seq: Sequence, hit_blocks: int) -> float | None:
         rate = self.prefill_tokens_per_second
@@ -247,7 +250,7 @@ class Scheduler:
             del self.requests[seq.request_id]
         else:
             self._remove(self.running.index(seq))
-            self._shrink()
+            self.kv.rows.shrink()
         self.counters["cancelled"] += 1
         return seq.finish("cancelled")
 
@@ -268,41 +271,32 @@ class Scheduler:
         return outputs
 
     def _place(self, seq: Sequence, hit: list[int]) -> None:
-        """Add seq as a row in front of the first decoding row (so a prefill step covers a short
-        prefix of rows)."""
         seq.status, seq.admitted = Status.RUNNING, time.perf_counter()
-        row = next((i for i, s in enumerate(self.running) if s.pending == 1), len(self.running))
-        self.kv.insert_row(self.running, row, seq)
-        if seq.swapped_blocks is not None:
-            self.kv.swap_in(seq, row, seq.swapped_blocks, len(self.running))
-            seq.swapped_blocks = None
-        else:
-            self.kv.admit(seq, row, hit, len(self.running))
+        self.kv.place(seq, hit)
 
     def _preempt(self) -> None:
         """The youngest running sequence goes back to the front of the queue (its KV swapped to
         the host pool, or dropped for recompute beyond the swap reserve)."""
         seq = max(self.running, key=lambda s: s.request_id)
-        row = self.running.index(seq)
-        seq.swapped_blocks = self.kv.preempt(seq, row)
+        self.kv.preempt(seq)
         self.counters["preempted_swap" if seq.swapped_blocks is not None else "preempted_recompute"] += 1
-        self.kv.remove_row(self.running, row)
-        self.kv.refit(self.running)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 
     def _next_batch(self) -> Batch:
-        self.kv.prompts_first(self.running)
-        pending = [s.pending for s in self.running]
+        rows = self.kv.rows
+        rows.prompts_first()
+        running = rows.running
+        pending = [s.pending for s in running]
         decoding = 1 in pending
         budget = self.step_budget() if decoding else self.solo_prefill_tokens
-        room = self.kv.step_room(self.running)
+        room = rows.step_room()
         if max(pending) == 1 and (drafted := self._speculative_batch(room)) is not None:
             return drafted
         if not self.stall_free:
             return self._alternating_batch(pending, budget, room)
         num_new, left, spans = [], budget, []
-        for seq, p in zip(self.running, pending):  # prompts in row order (arrival order) share the budget
+        for seq, p in zip(running, pending):  # prompts in row order (arrival order) share the budget
             take = 1 if p == 1 else min(p, left, room)
             if p > 1:
                 if take > 1 and spans and not similar_spans(spans + [seq.num_cached + take], budget):
@@ -312,9 +306,8 @@ class Scheduler:
             num_new.append(take)
         width = max(num_new)
         kind = "decode" if width == 1 else "mixed" if decoding else "prefill"
-        self.kv.fit_capacity(max(s.num_cached for s in self.running) + width, len(self.running),
-                             self.kv.ends(self.running))
-        return Batch.of(kind, self.running, width, num_new)
+        rows.fit_capacity(max(s.num_cached for s in running) + width, rows.ends())
+        return Batch.of(kind, running, width, num_new)
 
     def step_budget(self) -> int:
         """Prompt tokens for the next step beside decoding rows."""
@@ -326,7 +319,7 @@ class Scheduler:
         max_tokens and a few decoding rows."""
         if len(self.running) > self.speculation.max_rows or not any(s.ngrams for s in self.running):
             return None
-        room = min(room, self.kv.runner.capacity - max(s.num_cached for s in self.running))
+        room = min(room, self.kv.rows.capacity - max(s.num_cached for s in self.running))
         drafts = [s.ngrams.propose(s.tokens, min(s.draft_limit, s.max_tokens_total - len(s.tokens) - 1, room - 1))
                   if s.ngrams and s.num_output >= s.draft_resumes else [] for s in self.running]
         if not any(drafts):
@@ -351,7 +344,7 @@ class Scheduler:
                 kind, rows = "prefill", prefill_rows
         seqs = self.running[:rows]
         width = min(width, room)
-        self.kv.fit_capacity(max(s.num_cached for s in seqs) + width, len(self.running), self.kv.ends(self.running))
+        self.kv.rows.fit_capacity(max(s.num_cached for s in seqs) + width, self.kv.rows.ends())
         return Batch.of(kind, seqs, width)
 
     # ------------------------------------------------------------------ after a step
@@ -373,7 +366,9 @@ class Scheduler:
             old = self.prefill_tokens_per_second
             self.prefill_tokens_per_second = rate if old is None else 0.7 * old + 0.3 * rate
 
-    def postprocess(self, batch: Batch, logits: np.ndarray) -> list[tuple[Sequence, RequestOutput]]:
+    def postprocess(self, batch: Batch, logits: np.ndarray) -> tuple[list[tuple[Sequence, RequestOutput]], KVCopies]:
+        """The step's tokens taken (its filled blocks stored); returns the outputs and the KV copies
+        to run after it (the rows of finished sequences refilled, the buffers shrunk)."""
         rows = len(batch.num_new)
         self._count_step(batch)
         outputs = []
@@ -382,7 +377,7 @@ class Scheduler:
                 outputs.append((seq, self._verified(seq, b, batch, logits[b])))
                 continue
             seq.num_cached += int(batch.num_new[b])
-            self.kv.store(seq, b)
+            self.kv.prefix.store(seq, b)
             if seq.num_cached <= seq.num_prompt:
                 self.counters["prompt_tokens"] += int(batch.num_new[b])
             if seq.pending:
@@ -391,14 +386,14 @@ class Scheduler:
             # logits[b, 0]: its last real position, the only one execute() asks for
             outputs.append((seq, seq.append(*seq.choose(logits[b, 0]))))
         self._drop_finished()
-        return outputs
+        return outputs, self.kv.rows.take_copies()
 
     def _verified(self, seq: Sequence, row: int, batch: Batch, logits: np.ndarray) -> RequestOutput:
         """The tokens a drafting row keeps (every drafted token before the first the model
         disagrees with, plus the model's own next one); only those are cached and stored."""
         proposed = int(batch.drafts[row])
         out, accepted = seq.verify(logits, batch.input_ids[row, 1:1 + proposed].tolist())
-        self.kv.store(seq, row)
+        self.kv.prefix.store(seq, row)
         held, tried = continuations(proposed, accepted)
         seq.draft_continued, seq.draft_tried = seq.draft_continued + held, seq.draft_tried + tried
         seq.draft_limit = draft_length(seq.draft_continued, seq.draft_tried, self.speculation.max_draft_tokens)
@@ -412,7 +407,8 @@ class Scheduler:
         return out
 
     def fail_running(self, message: str) -> list[tuple[Sequence, RequestOutput]]:
-        """End every running sequence with an error (the step itself failed)."""
+        """End every running sequence with an error (the step itself failed); the copies that
+        frees go with the next schedule()'s."""
         outputs = [(seq, seq.finish("error", message)) for seq in self.running if not seq.finished]
         self._drop_finished()
         return outputs
@@ -433,12 +429,9 @@ class Scheduler:
             self._remove(i)
         self.counters["finished"] += len(done)
         if done:
-            self._shrink()
+            self.kv.rows.shrink()
 
     def _remove(self, row: int) -> None:
-        seq = self.kv.remove_row(self.running, row)
+        seq = self.kv.rows.remove(row)
         self.kv.release(seq)
         del self.requests[seq.request_id]
-
-    def _shrink(self) -> None:
-        self.kv.shrink(self.running)

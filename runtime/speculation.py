@@ -24,11 +24,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-METHODS = ("off", "ngram")
-MAX_DRAFT_TOKENS = 4
+from kvforge.engine_config import MAX_DRAFT_TOKENS
+from kvforge.engine_config import MAX_SPECULATION as LIMIT  # the largest max_draft_tokens / max_ngram accepted
+
 MAX_NGRAM = 3
 MAX_ROWS = 4  # decoding rows beyond which a step does not speculate
-LIMIT = 16  # the largest max_draft_tokens / max_ngram accepted
 # Drafts in a row that failed outright before a row pauses drafting. A failed one-token draft
 # costs a step ~1-5% wider, and code alternates runs it repeats with runs it does not: tokens
 # per step on held-out stdlib code with stdlib-llama (bench speculative's prompts, 4 x 128

@@ -5,7 +5,6 @@ SIGSTOP where a test needs a hand-off in flight; where a hit count is exact, the
 keeps the decode side from giving up a hand-off load at its measured recompute deadline)."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -266,12 +265,14 @@ def metric(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
-def test_engine_options_read_the_disaggregation_settings():
-    from kvforge import env
+def test_the_served_config_reads_the_disaggregation_settings(fp32):
+    from kvforge.engine_config import EngineConfig
 
-    options = env.engine_options({env.DISAGGREGATE: "1", env.PREFILL_THREADS: "1", env.PD_THRESHOLD: "300"})
-    assert options["disaggregation"] == {"threads": 1, "threshold_tokens": 300}
-    assert "disaggregation" not in env.engine_options({})
-    with pytest.raises(ValueError, match=env.PD_THRESHOLD):
-        env.engine_options({env.DISAGGREGATE: "1", env.PD_THRESHOLD: "many"})
-    json.dumps(options)  # plain values: they travel by environment
+    config = EngineConfig.served({}, {"KVFORGE_DISAGGREGATE": "1", "KVFORGE_PREFILL_THREADS": "1",
+                                      "KVFORGE_PD_THRESHOLD": "300"})
+    assert (config.disaggregate, config.prefill_threads, config.pd_threshold) == (True, 1, 300)
+    assert not EngineConfig.served({}, {}).disaggregate
+    with pytest.raises(ValueError, match="KVFORGE_PD_THRESHOLD must be a whole number"):
+        EngineConfig.served({}, {"KVFORGE_DISAGGREGATE": "1", "KVFORGE_PD_THRESHOLD": "many"})
+    with LLMEngine(fp32, config) as engine:  # the settings become the prefill worker's
+        assert (engine.pd.config.threads, engine.pd.config.threshold_tokens) == (1, 300)

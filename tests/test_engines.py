@@ -205,15 +205,15 @@ def test_engine_bad_inputs(exports, tmp_path):
 
 
 def test_idle_threads_spin_as_configured_and_bad_settings_are_refused(monkeypatch, tmp_path):
-    from kvforge import env
+    from kvforge.engine_config import DEFAULT_SPIN_US, MAX_SPIN_US, variable
     from launcher.tritonserver import free_ports
     from tests.test_hardening import refusal
 
     def entries(spin: str | None) -> tuple[str, str | None]:
         if spin is None:
-            monkeypatch.delenv(env.SPIN_US, raising=False)
+            monkeypatch.delenv(variable("spin_us"), raising=False)
         else:
-            monkeypatch.setenv(env.SPIN_US, spin)
+            monkeypatch.setenv(variable("spin_us"), spin)
         opts = ort_runner.session_options(1)
         allow = opts.get_session_config_entry("session.intra_op.allow_spinning")
         try:
@@ -224,11 +224,11 @@ def test_idle_threads_spin_as_configured_and_bad_settings_are_refused(monkeypatc
 
     assert entries("0") == ("0", None)
     assert entries("250") == ("1", "250")
-    assert entries(None) == entries(str(ort_runner.DEFAULT_SPIN_US))
-    monkeypatch.setenv(env.SPIN_US, "lots")
+    assert entries(None) == entries(str(DEFAULT_SPIN_US))
+    monkeypatch.setenv(variable("spin_us"), "lots")
     with pytest.raises(ValueError, match="KVFORGE_SPIN_US must be a whole number"):
         ort_runner.session_options(1)
     ports = sum((["--" + f, str(p)] for f, p in zip(("http-port", "grpc-port", "metrics-port"), free_ports(3))), [])
-    for bad in ("-1", str(ort_runner.MAX_SPIN_US + 1)):
-        assert f"--spin-us must be in 0..{ort_runner.MAX_SPIN_US}" in refusal("--repo", str(tmp_path), *ports,
+    for bad in ("-1", str(MAX_SPIN_US + 1)):
+        assert f"--spin-us must be in 0..{MAX_SPIN_US}" in refusal("--repo", str(tmp_path), *ports,
                                                                             "--spin-us", bad)

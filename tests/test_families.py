@@ -369,7 +369,7 @@ def test_no_double_bos_in_engine_and_router(family_exports, checkpoints, tmp_pat
 
     from engines.repository import write_repository
     from frontend.chat_template import ChatTemplate
-    from frontend.router import Prompts
+    from frontend.router.prompts import Prompts
     from runtime.llm_engine import LLMEngine, SamplingParams
     from runtime.tokenizer import Tokenizer
 

@@ -321,7 +321,8 @@ def test_prefix_cache_hit_equals_miss_disk_tier_and_swap(mla_exports, tmp_path, 
     """The block spec, the host pool, the disk tier and the copies are the ones of key/value
     caches: a hit (from RAM, or from disk after a restart) changes nothing, and a row swapped out
     and back decodes on as before; int8 blocks carry their latent_scale."""
-    from runtime.kv.manager import HostBlockPool, KVManager
+    from runtime.kv.block_pool import HostBlockPool
+    from runtime.kv.manager import KVManager
     from runtime.llm_engine import LLMEngine, SamplingParams
     from runtime.runners import open_runner
     from runtime.sequence import Sequence
@@ -355,14 +356,17 @@ def test_prefix_cache_hit_equals_miss_disk_tier_and_swap(mla_exports, tmp_path, 
     pool = HostBlockPool(runner.block, 8 * runner.block.bytes_per_block)
     kv = KVManager(runner, slots=2, kv_cache_bytes=1 << 30, pool=pool, namespace=cache_namespace(runner.manifest))
     seq = Sequence(1, document, params, print, None, frozenset())
-    kv.fit_capacity(len(document) + 16, 1)
+    kv.rows.fit_capacity(len(document) + 16)
+    kv.rows.take_copies().run()  # the copies the engine runs at a step's start
     logits = runner.step(np.array([document]), np.array([0]), np.array([len(document)]))[0, -1]
     seq.num_cached = len(document)
     tokens = [int(logits.argmax())]
     blocks = kv.swap_out(seq, 0)
+    kv.rows.take_copies().run()
     assert len(blocks) == 5 and pool.bytes_used == 5 * runner.block.bytes_per_block
     runner.step(np.array([prompt]), np.array([0]), np.array([len(prompt)]))  # clobbers row 0
-    kv.swap_in(seq, 0, blocks, 1)
+    kv.swap_in(seq, 0, blocks)
+    kv.rows.take_copies().run()
     for i in range(8):
         logits = runner.step(np.array([[tokens[-1]]]), np.array([len(document) + i]), np.array([1]))[0, 0]
         tokens.append(int(logits.argmax()))

@@ -9,8 +9,10 @@ import time
 import numpy as np
 import pytest
 
+from kvforge.block_hash import block_hash, root_hash
 from kvforge.manifest import Manifest, cache_namespace, kv_block_spec
-from runtime.kv.manager import HostBlockPool, KVManager, block_hash, root_hash
+from runtime.kv.block_pool import HostBlockPool
+from runtime.kv.manager import KVManager
 from kvforge.errors import RequestError
 from runtime.llm_engine import LLMEngine, SamplingParams
 from runtime.runners import open_runner
@@ -290,14 +292,17 @@ def test_a_running_row_swaps_out_and_back_with_its_partial_block(fp32):
     pool = HostBlockPool(runner.block, 32 * runner.block.bytes_per_block)
     kv = KVManager(runner, slots=2, kv_cache_bytes=1 << 30, pool=pool, namespace=cache_namespace(runner.manifest))
     seq = Sequence(1, DOCUMENT, greedy(), print, None, frozenset())
-    kv.fit_capacity(len(DOCUMENT) + 32, 1)
+    kv.rows.fit_capacity(len(DOCUMENT) + 32)
+    kv.rows.take_copies().run()  # the copies the engine runs at a step's start
     logits = runner.step(np.array([DOCUMENT]), np.array([0]), np.array([len(DOCUMENT)]))[0, -1]
     seq.num_cached = len(DOCUMENT)
     tokens = [int(logits.argmax())]
     blocks = kv.swap_out(seq, 0)
+    kv.rows.take_copies().run()
     assert len(blocks) == 10 and pool.bytes_used == 10 * runner.block.bytes_per_block
     runner.step(np.array([QUESTIONS[2] * 4]), np.array([0]), np.array([160]))  # clobbers row 0
-    kv.swap_in(seq, 0, blocks, 1)
+    kv.swap_in(seq, 0, blocks)
+    kv.rows.take_copies().run()
     assert pool.bytes_used == 0  # anonymous blocks go straight back to the free list
     for i in range(16):
         logits = runner.step(np.array([[tokens[-1]]]), np.array([len(DOCUMENT) + i]), np.array([1]))[0, 0]

@@ -266,16 +266,17 @@ def test_bad_router_settings_are_refused_at_start_with_one_line(repo, flags, exp
 
 @pytest.mark.parametrize("flags, expected", [
     (["--spin-us", "99999"], "error: --spin-us must be in 0..10000, got 99999"),
-    (["--prefill-budget", "0"], "error: --prefill-budget: "),
+    (["--prefill-budget", "0"], "error: --prefill-budget must be in 2..8192, got 0"),
     (["--http-port", "8000"], "error: --http-port is set per replica by the fleet"),
 ])
 def test_the_fleet_checks_the_engine_flags_it_passes_to_every_replica(tmp_path, flags, expected):
     """`make fleet SPIN_US=...` (any of KV_FLAGS): a launcher flag reaches every replica, and a bad one is
     refused in one line before anything starts."""
-    from launcher import fleet
+    from launcher import __main__ as launcher_cli, fleet
 
     args = fleet.parse_args(["--replicas", "2", "--repo", str(tmp_path), "--spin-us", "0", "--scheduler", "alternate"])
-    assert fleet.launcher_flags(args, 2)[-4:] == ["--spin-us", "0", "--scheduler", "alternate"]
+    replica = launcher_cli.parse_args(fleet.launcher_flags(args, 2))
+    assert (replica.spin_us, replica.scheduler) == (0, "alternate")
     result = subprocess.run([sys.executable, "-m", "launcher.fleet", "--replicas", "1", "--repo", str(tmp_path),
                              "--log-dir", str(tmp_path / "logs"), *flags],
                             cwd=ROOT, capture_output=True, text=True, timeout=WAIT)
@@ -474,7 +475,7 @@ def test_a_request_failing_before_its_first_token_is_retried_on_another_replica(
 
 
 def test_affinity_falls_back_when_the_sessions_replica_is_not_ready(repo, replicas, fake, tmp_path):
-    from frontend.router import session_home
+    from frontend.router.policies import session_home
 
     session = next(f"session-{i}" for i in range(100) if session_home(f"session-{i}", 2) == 0)  # the fake's
     with router_over(repo, [fake.spec, replica_spec(replicas[0])], tmp_path, policy="affinity") as url:

@@ -1,7 +1,8 @@
 """Stall-free scheduling over packed steps (issue 20): a step runs every decoding row plus prompt
 chunks up to the prefill budget; the packed in-place graph makes that cost only the real tokens.
 The budget follows an inter-token-latency target over the measured step costs (issue 37): its
-arithmetic is pinned with stand-in costs.
+arithmetic is pinned with stand-in costs. (How rows rotate and move, KV and all, is
+tests/test_kv_rows.py's, over the arithmetic stand-in runner.)
 
 Asserted through what the scheduler and runner did (spies on the real runner), never how fast."""
 from __future__ import annotations
@@ -11,14 +12,12 @@ import threading
 import numpy as np
 import pytest
 
-from kvforge import env
-from runtime.kv.manager import KVManager
+from kvforge.engine_config import EngineConfig
 from runtime.llm_engine import LLMEngine, SamplingParams
 from runtime.runners import open_runner
 from runtime.runners.base import last_positions
 from runtime.scheduler import (ITL_TARGET_DECODE_STEPS, MAX_PREFILL_BUDGET, MIN_PREFILL_BUDGET, PREFILL_BUDGET,
                                StepCosts, check_prefill_budget)
-from runtime.sequence import Sequence
 from tests.test_hardening import refusal
 from launcher.tritonserver import free_ports
 
@@ -51,33 +50,6 @@ def test_a_mixed_packed_step_equals_separate_steps(exports):
         n = np.array([len(chunk)])
         alone.append(runner.step(np.array([chunk]), np.array([start]), n, last_positions(n))[0])
     assert np.abs(together - np.stack(alone)).max() < 1e-5
-
-
-@pytest.mark.parametrize("parked", [1, 2, 3])
-def test_a_decoding_row_rotates_behind_the_prompts_with_its_kv(fp32, parked):
-    """prompts_first on rows [prompt, decoding, prompt, prompt, decoding]: rows 1..3 rotate to
-    [prompt, prompt, decoding] through the spare row, which holds whichever of them has the least
-    KV (each case parks another one); every sequence's KV ends in its new row."""
-    runner = open_runner(fp32)
-    kv = KVManager(runner, slots=8, kv_cache_bytes=1 << 30, pool=None, namespace=b"")
-    kv.fit_capacity(64, 5)
-    kv._make_room(5)
-    running = []
-    for row, decoding in enumerate((False, True, False, False, True)):
-        cached = 5 if row == parked else 30 + row
-        seq = Sequence(row, list(range(3, 3 + cached + (1 if decoding else 9))), SamplingParams(), print, None,
-                       frozenset())
-        seq.num_cached = cached
-        running.append(seq)
-        for buf in runner.kv_arrays.values():
-            buf[row, :, :cached] = row + 1 + np.arange(cached)[None, :, None] / 64
-    before = {s.request_id: {name: buf[row, :, :s.num_cached].copy() for name, buf in runner.kv_arrays.items()}
-              for row, s in enumerate(running)}
-    kv.prompts_first(running)
-    assert [s.request_id for s in running] == [0, 2, 3, 1, 4]
-    for row, seq in enumerate(running):
-        for name, buf in runner.kv_arrays.items():
-            assert np.array_equal(buf[row, :, :seq.num_cached], before[seq.request_id][name]), (parked, row, name)
 
 
 class StepSpy:
@@ -154,7 +126,8 @@ def test_stall_free_gives_the_tokens_the_alternating_scheduler_gives(exports, dt
               for i in range(6)]
     outputs = {}
     for stall_free in (True, False):
-        with LLMEngine(directory, slots=4, prefill_budget=48, stall_free=stall_free, prefix_cache=False) as engine:
+        with LLMEngine(directory, slots=4, prefill_budget=48, scheduler="stall-free" if stall_free else "alternate",
+                       prefix_cache=False) as engine:
             outputs[stall_free] = [[r.token_ids for r in engine.generate(batch, params)] for params in (greedy, seeded)]
             steps = engine.stats()
         if stall_free:
@@ -166,12 +139,12 @@ def test_the_prefill_budget_is_checked_at_start(tmp_path):
     for bad in (0, 1, MAX_PREFILL_BUDGET + 1):
         with pytest.raises(ValueError, match="prefill budget"):
             check_prefill_budget(bad)
-    with pytest.raises(ValueError, match=env.PREFILL_BUDGET):
-        env.engine_options({env.PREFILL_BUDGET: "lots"})
-    with pytest.raises(ValueError, match=env.SCHEDULER):
-        env.engine_options({env.SCHEDULER: "fifo"})
-    assert env.engine_options({env.PREFILL_BUDGET: "128", env.SCHEDULER: "alternate"}) == {
-        **env.engine_options({}), "prefill_budget": 128, "stall_free": False}
+    with pytest.raises(ValueError, match="KVFORGE_PREFILL_BUDGET must be a whole number"):
+        EngineConfig.served({}, {"KVFORGE_PREFILL_BUDGET": "lots"})
+    with pytest.raises(ValueError, match="KVFORGE_SCHEDULER must be one of stall-free, alternate"):
+        EngineConfig.served({}, {"KVFORGE_SCHEDULER": "fifo"})
+    assert EngineConfig.served({}, {"KVFORGE_PREFILL_BUDGET": "128", "KVFORGE_SCHEDULER": "alternate"}) == \
+        EngineConfig(prefill_budget=128, scheduler="alternate")
     ports = sum((["--" + f, str(p)] for f, p in zip(("http-port", "grpc-port", "metrics-port"), free_ports(3))), [])
     line = refusal("--repo", str(tmp_path), *ports, "--prefill-budget", "1")
     assert "--prefill-budget" in line and "2..8192" in line
@@ -185,7 +158,7 @@ def test_the_budget_fills_the_itl_target_beyond_a_decode_step():
     assert costs.decode_seconds == pytest.approx(0.020) and costs.budget() == PREFILL_BUDGET
     costs.measured(32, 1, 0.020 + 32 * 0.002)  # 32 prompt tokens beside one decoding row
     assert costs.prompt_token_seconds == pytest.approx(0.002)
-    assert ITL_TARGET_DECODE_STEPS == 1.5 and costs.budget() == 5  # (1.5 x 20 - 20) / 2
+    assert ITL_TARGET_DECODE_STEPS == 1.3 and costs.budget() == 3  # (1.3 x 20 - 20) / 2
     costs.measured(64, 0, 0.020 + 64 * 0.004)  # a prompt-only step pays a decode step's weight read too
     assert costs.prompt_token_seconds == pytest.approx(0.7 * 0.002 + 0.3 * 0.004)  # the estimate moves, smoothly
     for target, budget in ((dict(itl_target=0.060), 20), (dict(itl_target_steps=4.0), 30),
@@ -238,10 +211,10 @@ def test_the_itl_target_is_checked_at_start(tmp_path):
                 dict(itl_target=0.05, itl_target_steps=2.0)):
         with pytest.raises(ValueError, match="inter-token latency target"):
             StepCosts(**bad)
-    assert env.engine_options({env.ITL_TARGET_MS: "40", env.ITL_TARGET_STEPS: ""}) == {
-        **env.engine_options({}), "itl_target": 0.04}
-    with pytest.raises(ValueError, match=f"{env.ITL_TARGET_STEPS} must be a number of decode steps"):
-        env.engine_options({env.ITL_TARGET_STEPS: "fast"})
+    assert EngineConfig.served({}, {"KVFORGE_ITL_TARGET_MS": "40", "KVFORGE_ITL_TARGET_STEPS": ""}) == \
+        EngineConfig(itl_target_ms=40.0)
+    with pytest.raises(ValueError, match="KVFORGE_ITL_TARGET_STEPS must be a number of decode steps"):
+        EngineConfig.served({}, {"KVFORGE_ITL_TARGET_STEPS": "fast"})
     ports = sum((["--" + f, str(p)] for f, p in zip(("http-port", "grpc-port", "metrics-port"), free_ports(3))), [])
     line = refusal("--repo", str(tmp_path), *ports, "--itl-target-ms", "40", "--prefill-budget", "32")
     assert "--prefill-budget" in line and "--itl-target-ms" in line

@@ -10,7 +10,7 @@ import numpy as np
 import openai
 import pytest
 
-from kvforge import env
+from kvforge.engine_config import EngineConfig
 from kvforge.errors import RequestError
 from runtime.llm_engine import LLMEngine, SamplingParams
 from runtime.runners.base import Batch
@@ -176,12 +176,13 @@ def test_bad_speculative_settings_are_refused_clearly(exports, tmp_path):
     with pytest.raises(ValueError, match="max_draft_tokens must be a whole number in 1..16"):
         LLMEngine(exports("inplace", "fp32"), speculation=Speculation(max_draft_tokens=0))
     with pytest.raises(ValueError, match="KVFORGE_SPECULATIVE must be one of off, ngram"):
-        env.engine_options({env.SPECULATIVE: "eagle"})
-    assert env.engine_options({env.SPECULATIVE: "ngram", env.SPECULATIVE_TOKENS: "6"})["speculation"] == \
-        {"max_draft_tokens": 6}
+        EngineConfig.served({}, {"KVFORGE_SPECULATIVE": "eagle"})
+    config = EngineConfig.served({}, {"KVFORGE_SPECULATIVE": "ngram", "KVFORGE_SPECULATIVE_TOKENS": "6"})
+    with LLMEngine(exports("inplace", "fp32"), config) as engine:
+        assert engine.speculates_by_default and engine.scheduler.speculation.max_draft_tokens == 6
     ports = sum((["--" + f, str(p)] for f, p in zip(("http-port", "grpc-port", "metrics-port"), free_ports(3))), [])
     common = ["--repo", str(tmp_path), *ports]
-    assert "add it" in refusal(*common, "--speculative-tokens", "3")
+    assert "add --speculative ngram" in refusal(*common, "--speculative-tokens", "3")
     assert "1..16" in refusal(*common, "--speculative", "ngram", "--speculative-tokens", "40")
 
 

@@ -1,11 +1,11 @@
 """The host RAM pool of KV blocks (automatic prefix caching), named by kvforge.block_hash.
 
 A block is KV_BLOCK_TOKENS positions of every cache tensor, exactly as a slot holds them
-(int8/int4 scales included; kvforge.manifest.KVBlockSpec). Block ids are rows of per-tensor
-host arrays sized by `--kv-host-bytes`. A running sequence holds a reference on the blocks it
-loaded or stored; blocks nobody references stay cached and are evicted least recently released
-first (a sequence releases its tail first, so a shared head outlives the tails). Identical
-blocks are stored once.
+(int8/int4 scales included; kvforge.manifest.KVBlockSpec, each tensor sized by its
+CacheTensor). Block ids are rows of per-tensor host arrays sized by `--kv-host-bytes`. A running
+sequence holds a reference on the blocks it loaded or stored; blocks nobody references stay
+cached and are evicted least recently released first (a sequence releases its tail first, so a
+shared head outlives the tails). Identical blocks are stored once.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class HostBlockPool:
         self.budget_bytes = budget_bytes
         self.num_blocks = budget_bytes // spec.bytes_per_block
         # np.zeros maps pages lazily: the budget is a bound, not memory taken up front
-        self.arrays = {t.name: np.zeros((self.num_blocks, *spec.block_shape(t.name)), t.dtype)
+        self.arrays = {t.name: np.zeros((self.num_blocks, *t.block_shape(spec.tokens)), t.dtype)
                        for t in spec.tensors}
         self.free = list(range(self.num_blocks - 1, -1, -1))
         self.refs = np.zeros(self.num_blocks, np.int32)
@@ -111,6 +111,20 @@ class HostBlockPool:
                 self.counters["blocks_stored"] += 1
             ids.append(block)
         return ids
+
+    def anonymous(self, n: int) -> list[int] | None:
+        """n blocks without a hash (a swapped-out row), one reference each held by the caller, their
+        contents written later (write); None if fewer than n can be taken."""
+        if len(self.free) + len(self.evictable) < n:
+            return None
+        ids = [self._take() for _ in range(n)]
+        self.refs[ids] = 1
+        return ids
+
+    def write(self, blocks: list[int], data: Blocks) -> None:
+        """Fill `blocks` with data[name][i] each (read_blocks-shaped)."""
+        for name, array in self.arrays.items():
+            array[blocks] = data[name]
 
     def runs(self, blocks: list[int]) -> list[tuple[int, Blocks]]:
         """`blocks` as views of the pool, one per run of consecutive ids: (index of the run's first

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvforge import env
+from kvforge.engine_config import read_variable
 from kvforge.manifest import Manifest, ManifestError
 from runtime.runners.base import Runner
 from runtime.runners.ort import OrtConcatRunner, OrtInplaceRunner
 
 
-def open_runner(engine_dir: Path, threads: int | None = None) -> Runner:
-    """The runner for an engine or export directory, chosen from its manifest."""
+def open_runner(engine_dir: Path, threads: int | None = None, spin_us: int | None = None) -> Runner:
+    """The runner for an engine or export directory, chosen from its manifest (threads and
+    spin_us: ONNX Runtime's, runners/ort.py session_options)."""
     engine_dir = Path(engine_dir)
     manifest = Manifest.load(engine_dir)
     backend = manifest.engine.get("backend", "onnxruntime")
@@ -31,4 +32,4 @@ def open_runner(engine_dir: Path, threads: int | None = None) -> Runner:
         raise ManifestError(f"{path} is missing; rebuild with `make build-engines`")
     cls = OrtInplaceRunner if manifest.kv_layout == "inplace" else OrtConcatRunner
     # the serving host decides its threads ($KVFORGE_THREADS) before the build host did (the manifest)
-    return cls(manifest, path, threads or env.threads() or manifest.engine.get("threads"))
+    return cls(manifest, path, threads or read_variable("threads") or manifest.engine.get("threads"), spin_us)

@@ -2,7 +2,7 @@
 of those slots, copied out and in.
 
 A Runner owns the KV buffers for `slots` sequences. Active sequences occupy rows 0..rows-1
-(the KV manager keeps them packed with `move`), so every step binds a contiguous prefix of
+(the packed rows, runtime/kv/rows.py, keep them so with `move`), so every step binds a contiguous prefix of
 each buffer: no gather, no copy. Implementations: runners/ort.py (ONNX Runtime, in place and
 concat) and runners/trt.py (in place on a GPU); `runtime.runners.open_runner` picks one from
 the manifest.
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvforge.manifest import Manifest, capacity_bucket, kv_block_spec
+from kvforge.manifest import Manifest, capacity_bucket, kv_block_spec, kv_pairs
 
 # A block of one cache tensor, as read_blocks returns it and write_blocks takes it:
 # [blocks, kv_heads, block_tokens, D] (D = 1 for a scale tensor), C-contiguous.
@@ -62,6 +62,8 @@ class Runner(ABC):
     def __init__(self, manifest: Manifest):
         self.manifest = manifest
         self.block = kv_block_spec(manifest)
+        self.cache = {t.name: t for t in manifest.cache_tensors}  # past_key_values.* name -> its sizes
+        self.pairs = kv_pairs(manifest.model, manifest.kv_dtype)  # (past, present) names, graph order
         self.slots = 0
         self.capacity = 0
 

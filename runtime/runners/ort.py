@@ -17,36 +17,27 @@ from pathlib import Path
 
 import numpy as np
 
-from kvforge import env
-from kvforge.manifest import Manifest, ManifestError, kv_buffer_shape, kv_pairs
+from kvforge.engine_config import DEFAULT_SPIN_US, read_variable
+from kvforge.manifest import CacheTensor, Manifest, ManifestError
 from runtime.runners.base import Blocks, Runner, as_blocks, pack_step
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h
 POPULATE_CHUNK_BYTES = 64 << 20
 
-# An idle intra-op thread spins this long for its next operator before it sleeps ($KVFORGE_SPIN_US,
-# --spin-us; 0: it sleeps at once). A wake-up per operator is what a batch-1 step waits on, and a
-# bounded spin ends when the engine goes idle. `make bench`'s spin section, small-llama, 2 threads,
-# 4 rounds taking turns (0 / 100 / 1000 us): decode step median fp32 15.8 / 14.8 / 15.0 ms, int8
-# 6.1 / 5.0 / 5.3 ms; served with kvforge's gRPC client on the same cores 64 / 68 / 66 tokens/s at
-# concurrency 1, 385 / 395 / 374 at 16; but aiperf's worker processes on the same 2 cores got
-# 47 / 41 / 29 tokens/s at concurrency 1 and 147 / 138 / 109 at 4: there a spinning thread takes
-# the CPU the client needs (--spin-us 0 then; unbounded spinning had cost it 20-34%).
-DEFAULT_SPIN_US = 100
-MAX_SPIN_US = 10_000  # ONNX Runtime warns above this: the spin then costs more CPU than a wake-up
-
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "uint8": np.uint8}
 
 
-def session_options(threads: int | None = None):
+def session_options(threads: int | None = None, spin_us: int | None = None):
+    """threads and spin_us: the engine's settings (kvforge/engine_config.py); None: $KVFORGE_THREADS
+    and $KVFORGE_SPIN_US as a served engine's process has them, else every core and DEFAULT_SPIN_US."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    opts.intra_op_num_threads = threads or env.threads() or (os.cpu_count() or 1)
+    opts.intra_op_num_threads = threads or read_variable("threads") or (os.cpu_count() or 1)
     opts.inter_op_num_threads = 1
     opts.log_severity_level = 3
-    spin_us = env.spin_us()
+    spin_us = read_variable("spin_us") if spin_us is None else spin_us
     spin_us = DEFAULT_SPIN_US if spin_us is None else spin_us
     opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin_us else "0")
     if spin_us:
@@ -55,7 +46,7 @@ def session_options(threads: int | None = None):
 
 
 class _OrtRunner(Runner):
-    def __init__(self, manifest: Manifest, onnx_path: Path, threads: int | None = None):
+    def __init__(self, manifest: Manifest, onnx_path: Path, threads: int | None = None, spin_us: int | None = None):
         super().__init__(manifest)
         import onnxruntime as ort
 
@@ -63,21 +54,20 @@ class _OrtRunner(Runner):
             raise ManifestError(
                 f"KV dtype {manifest.kv_dtype} cannot run on ONNX Runtime ({manifest.kv.note})")
         try:
-            self.session = ort.InferenceSession(str(onnx_path), session_options(threads),
+            self.session = ort.InferenceSession(str(onnx_path), session_options(threads, spin_us),
                                                 providers=["CPUExecutionProvider"])
         except Exception as e:  # ORT raises its own exception types for unreadable models
             raise ManifestError(f"cannot load engine {onnx_path}: {str(e).splitlines()[0][:300]}") from None
-        inputs, _ = manifest.io()
-        self.specs = {t.name: t for t in inputs}
-        self.dtypes = {t.name: NUMPY_DTYPES.get(t.dtype) for t in inputs}
-        self.pairs = kv_pairs(manifest.model, manifest.kv_dtype)
 
-    def _buffer_shape(self, past_name: str, rows: int, length: int) -> tuple[int, ...]:
-        return kv_buffer_shape(self.specs[past_name], rows, length)
+    def _buffer(self, past_name: str, rows: int, length: int) -> np.ndarray:
+        """A zeroed buffer [rows, heads, length, width] for a cache tensor."""
+        t = self.cache[past_name]
+        return np.zeros((rows, t.heads, length, t.width), NUMPY_DTYPES[t.dtype])
 
 
 class SlotReservation:
-    """One flat array per cache tensor holding `tokens` slot positions (rows x capacity), kept for
+    """One flat array per cache tensor (its heads x width per position, as the manifest sizes
+    it: kvforge.manifest.CacheTensor) holding `tokens` slot positions (rows x capacity), kept for
     the runner's life: every layout within it is a view of its start, and a resize moves each
     row's KV inside it. Why: a page touched for the first time costs ~1 ms per MB on this VM (a
     2K-token row moved into a new buffer took ~100 ms, a resize into new zeroed arrays 5-260 ms,
@@ -87,12 +77,11 @@ class SlotReservation:
     stale (finite) KV beyond each row's length, as reused rows always have: attention reads a
     row only up to its write position."""
 
-    def __init__(self, runner: "OrtInplaceRunner", tokens: int):
+    def __init__(self, tensors: tuple[CacheTensor, ...], tokens: int):
         self.tokens = tokens
-        self.heads_width = {past: runner._buffer_shape(past, 1, 1)[1::2] for past, _ in runner.pairs}
+        self.heads_width = {t.name: (t.heads, t.width) for t in tensors}
         # zeros (a fresh mapping this large), never stale bytes that could read as NaN
-        self.flat = {past: np.zeros(tokens * heads * width, runner.dtypes[past])
-                     for past, (heads, width) in self.heads_width.items()}
+        self.flat = {t.name: np.zeros(tokens * t.heads * t.width, NUMPY_DTYPES[t.dtype]) for t in tensors}
         self.nbytes = sum(a.nbytes for a in self.flat.values())
         self.populated = threading.Event()
         threading.Thread(target=self._populate, name="kvforge-kv-populate", daemon=True).start()
@@ -141,7 +130,8 @@ class OrtInplaceRunner(_OrtRunner):
     def reserve(self, nbytes: int) -> None:
         """Before allocate: one reservation of `nbytes` of KV (SlotReservation) holds every later
         layout that fits it."""
-        self.reservation = SlotReservation(self, nbytes // self.manifest.kv_bytes_per_token)
+        tensors = tuple(self.cache.values())
+        self.reservation = SlotReservation(tensors, nbytes // sum(t.bytes_per_token for t in tensors))
 
     def _reserved(self, slots: int, capacity: int) -> bool:
         return self.reservation is not None and self.reservation.fits(slots, capacity)
@@ -151,8 +141,7 @@ class OrtInplaceRunner(_OrtRunner):
         if self._reserved(slots, capacity):
             self.buffers = self.reservation.views(slots, capacity)
         else:
-            self.buffers = {past: np.zeros(self._buffer_shape(past, slots, capacity), self.dtypes[past])
-                            for past, _ in self.pairs}
+            self.buffers = {past: self._buffer(past, slots, capacity) for past, _ in self.pairs}
         self._binding, self._bound_rows = None, 0
 
     def step(self, input_ids, write_positions, num_new, logit_positions=None):
@@ -244,12 +233,12 @@ class OrtConcatRunner(_OrtRunner):
 
     def allocate(self, slots, capacity):
         self.slots, self.capacity = slots, capacity
-        self.past = {past: np.zeros(self._buffer_shape(past, slots, 0), self.dtypes[past]) for past, _ in self.pairs}
+        self.past = {past: self._buffer(past, slots, 0) for past, _ in self.pairs}
         self.mask = np.zeros((slots, 0), np.int64)
 
     def allocate_cached(self, slots, length, capacity):
         self.allocate(slots, capacity)
-        self.past = {past: np.zeros(self._buffer_shape(past, slots, length), self.dtypes[past]) for past, _ in self.pairs}
+        self.past = {past: self._buffer(past, slots, length) for past, _ in self.pairs}
         self.mask = np.ones((slots, length), np.int64)
 
     @property

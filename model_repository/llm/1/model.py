@@ -12,22 +12,25 @@ full, queue timeout) start with "UNAVAILABLE:", server faults with "INTERNAL:".
 Prefix caching: an optional `cache_salt` input isolates a tenant's cached prefixes, every
 response carries `cached_tokens`, and a request with `clear_prefix_cache` true and the operator's
 `control_key` (the server's KVFORGE_CONTROL_KEY) empties the prefix cache without a restart.
-Serving knobs come from the KVFORGE_* environment the launcher writes (kvforge/env.py).
+The engine's settings come from this model's config.pbtxt parameters (slots, max_waiting,
+kv_cache_bytes) and the KVFORGE_* environment the launcher writes (kvforge/engine_config.py).
 """
 import json
 import os
 from pathlib import Path
 
 from kvforge import env
+from kvforge.engine_config import EngineConfig
 from kvforge.errors import KVForgeError
+from kvforge.llm_io import cache_salt, one_value
 from kvforge.manifest import cache_namespace
 from runtime.llm_engine import LLMEngine
 from runtime.sequence import RequestOutput
 from triton_models.lifeline import exit_with_server
 from triton_models.llm_metrics import EngineMetrics
-from triton_models.llm_request import cache_salt, clears_prefix_cache, log_id_of, parse, requested_outputs
+from triton_models.llm_request import clears_prefix_cache, log_id_of, parse, requested_outputs
 from triton_models.llm_stream import ResponseSender, ResponseStream, response
-from triton_models.requests import one_value, refuse_unknown_parameters
+from triton_models.requests import inputs_of, refuse_unknown_parameters
 from triton_models.responses import FINAL
 
 
@@ -37,14 +40,11 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config["parameters"].items()}
         self.engine = LLMEngine(Path(args["model_repository"]).parent / params["engine_dir"],
-                                slots=int(params["slots"]), max_waiting=int(params["max_waiting"]),
-                                kv_cache_bytes=int(params["kv_cache_bytes"]), **env.engine_options())
+                                EngineConfig.served(params, os.environ))
         # a router trusts this parameter: an engine rebuilt without `engines repository` must not load
         if params.get("cache_namespace") != cache_namespace(self.engine.manifest).hex():
             raise ValueError("config.pbtxt names no cache namespace or another one than the engine's: "
                              "rerun `python -m engines repository` (make build-engines does)")
-        self.queue_timeout = env.seconds(env.QUEUE_TIMEOUT)
-        self.request_timeout = env.seconds(env.REQUEST_TIMEOUT)
         access_log = os.environ.get(env.ACCESS_LOG)
         metrics = EngineMetrics({"model": args["model_name"], "version": args["model_version"]},
                                 list(self.engine.stats()["tiers"]))
@@ -55,26 +55,26 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             log_id = log_id_of(request)
             try:
-                if clears_prefix_cache(request):
+                inputs = inputs_of(request)
+                if clears_prefix_cache(inputs):
                     cleared = self.engine.clear_prefix_cache()
                     sender.send(response(RequestOutput(0, f"cleared {cleared} prefix cache blocks", [], finished=True,
                                                        finish_reason="stop")), flags=FINAL)
-                elif one_value(request, "stop", False, bool):
+                elif one_value(inputs, "stop", False, bool):
                     self.stop(request)
                 else:
-                    self.submit(request, sender, log_id)
+                    self.submit(request, inputs, sender, log_id)
             except KVForgeError as e:
                 self.sender.refuse(sender, log_id, e)
         return None
 
-    def submit(self, request, sender, log_id):
-        prompt, params, stream, echo = parse(request, self.engine)
+    def submit(self, request, inputs, sender, log_id):
+        prompt, params, stream, echo = parse(request, inputs, self.engine)
         # a `stop` names the request by its Triton id (gRPC) or, over HTTP, by its X-Request-ID
         responses = ResponseStream(sender, stream, log_id, requested_outputs(request), echo,
                                    request.request_id() or log_id)
         responses.request_id = self.engine.submit(prompt, params, self.sender.on_output(responses),
-                                                  cache_salt=cache_salt(request), queue_timeout=self.queue_timeout,
-                                                  timeout=self.request_timeout)
+                                                  cache_salt=cache_salt(inputs))
         self.sender.track(responses)
 
     def stop(self, request):

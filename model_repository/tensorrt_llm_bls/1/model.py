@@ -10,9 +10,10 @@ import json
 import triton_python_backend_utils as pb_utils
 
 from kvforge.errors import RequestError
+from kvforge.llm_io import one_value
 from triton_models.forwarding import Forwarder, llm_input
 from triton_models.lifeline import exit_with_server
-from triton_models.requests import one_value, refuse_unknown_parameters
+from triton_models.requests import inputs_of, refuse_unknown_parameters
 from triton_models.responses import FINAL, send_error
 
 
@@ -30,14 +31,15 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             try:
-                if one_value(request, "stop", False, bool):
+                given = inputs_of(request)
+                if one_value(given, "stop", False, bool):
                     refuse_unknown_parameters(request, allowed=("Streaming",), model=self.name)
                     self.forwarder.stop_client_request(request)
                     continue
                 refuse_unknown_parameters(request, model=self.name)
                 inputs = request.inputs()
-                if pb_utils.get_input_tensor_by_name(request, "exclude_input_in_output") is None:
-                    echo = not one_value(request, "stream", False, bool)
+                if "exclude_input_in_output" not in given:
+                    echo = not one_value(given, "stream", False, bool)
                     inputs = [*inputs, llm_input("exclude_input_in_output", [[not echo]])]
                 self.forwarder.start(request, inputs, send)
             except RequestError as e:

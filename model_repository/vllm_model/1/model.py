@@ -13,9 +13,10 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from kvforge.errors import RequestError, quote
+from kvforge.llm_io import one_value
 from triton_models.forwarding import Forwarder, llm_input, tensor_value
 from triton_models.lifeline import exit_with_server
-from triton_models.requests import one_value, request_parameters
+from triton_models.requests import inputs_of, request_parameters
 from triton_models.responses import FINAL, send_error
 
 NAME = "vllm_model"
@@ -64,8 +65,9 @@ def known(options: dict) -> dict:
 def llm_inputs(request):
     """(inputs for llm, which vLLM outputs to return, stream)."""
     options = {**VLLM_DEFAULTS, **sampling_parameters(request)}
-    stream = one_value(request, "stream", False, bool)
-    exclude = one_value(request, "exclude_input_in_output", None, bool)
+    given = inputs_of(request)
+    stream = one_value(given, "stream", False, bool)
+    exclude = one_value(given, "exclude_input_in_output", None, bool)
     if stream and exclude is False:
         raise RequestError("when streaming, exclude_input_in_output = False is not allowed (as in vLLM)")
     echo = not stream if exclude is None else not exclude
@@ -92,7 +94,7 @@ def llm_inputs(request):
         if key == "seed" and number < 0:
             raise RequestError(f"seed must be >= 0, got {number}")
         inputs.append(llm_input(name, [[number]]))
-    returns = {flag: one_value(request, flag, False, bool) for flag in RETURN_FLAGS}
+    returns = {flag: one_value(given, flag, False, bool) for flag in RETURN_FLAGS}
     if returns["return_cumulative_logprob"]:
         inputs.append(llm_input("return_log_probs", [[True]]))
     return inputs, returns
