@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kvforge.manifest import KVDType, ManifestError, ModelSpec
+from kvforge.manifest import GEMMA_LAYER_TYPES, KVDType, ManifestError, ModelSpec
 from export.model import CausalLM, rope_rows_to_halves
 
 # Copied into the export (and on into engines): the tokenizer, the chat template (transformers
@@ -83,6 +83,9 @@ def load_model(checkpoint: Path, layout: str, kv: KVDType) -> tuple[ModelSpec, C
         permute_rope_rows(spec, state)
     if spec.architecture == "MiniCPM3ForCausalLM":
         fold_minicpm3_scales(read_config(checkpoint), spec, state)
+    if spec.architecture in GEMMA_LAYER_TYPES:  # Gemma norms scale by (1 + weight): one RMSNormalization
+        for key in [k for k in state if k.endswith("norm.weight")]:
+            state[key] = 1.0 + state[key]
     model.load_state_dict(state, strict=False)
     return spec, model.eval()
 
