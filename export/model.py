@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Gemma 2/3) and DeepSeek-V2/V3's
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Gemma 2/3, Phi-3/4) and DeepSeek-V2/V3's
 Multi-head Latent Attention (MLAAttention, dense layers only), written for export with an explicit KV cache.
 
 Module and parameter names match Hugging Face checkpoints, so a safetensors state dict loads
@@ -45,10 +45,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     pairs, DeepSeek-V2's complex form): one ONNX RotaryEmbedding op (opset 23) instead of a dozen
     slices and elementwise ops per call. The 4-D form is the one TensorRT's IRotaryEmbeddingLayer
     documents. Training (export.train) takes the same math in plain torch ops: torch registers no
-    autograd formula for the ONNX op."""
+    autograd formula for the ONNX op. cos/sin narrower than D/2 rotate only the first 2 x their
+    width channels (Phi-3's partial_rotary_factor: rotary_embedding_dim)."""
     if x.requires_grad:
         return rotate(x, cos, sin, interleaved)
-    return torch.onnx.ops.rotary_embedding(x, cos, sin, interleaved=interleaved)
+    rotary = 2 * cos.shape[-1]
+    return torch.onnx.ops.rotary_embedding(x, cos, sin, interleaved=interleaved,
+                                           rotary_embedding_dim=rotary if rotary < x.shape[-1] else 0)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -68,7 +71,7 @@ def rope_frequencies(spec: ModelSpec, local: bool = False) -> tuple[torch.Tensor
     high_freq_factor) and blends between; yarn blends interpolated and extrapolated frequencies
     over a ramp of channels and scales cos/sin by its attention factor (mscale). local: the
     sliding layers' own unscaled RoPE of base spec.local_rope_theta (Gemma 3)."""
-    dim = spec.qk_rope_head_dim if spec.attention == "mla" else spec.head_dim
+    dim = spec.rotary_dim
     base, rope, kind = spec.rope_theta, spec.rope_scaling or {}, spec.rope_type
     if local:
         base, kind = spec.local_rope_theta, "default"

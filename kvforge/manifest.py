@@ -22,8 +22,10 @@ MODEL_FILE = "model.onnx"
 OPSET = 24  # TensorScatter (the in-place KV write) needs opset 24
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "SmolLM3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "DeepseekV2ForCausalLM",
-                           "DeepseekV3ForCausalLM", "MiniCPM3ForCausalLM")
+                           "SmolLM3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
+                           "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "MiniCPM3ForCausalLM")
+# Families whose sliding_window applies to every layer when set (Phi-3-mini-4k's 2,047).
+WINDOW_EVERYWHERE = ("MistralForCausalLM", "Phi3ForCausalLM")
 # Gemma 2/3: embeddings x sqrt(hidden), (1 + weight) RMSNorms (folded into the weights at load),
 # four norms per layer, a tanh-GELU GLU, query_pre_attn_scalar's softmax scale, and layers that
 # slide as layer_types says (by default Gemma 2's every other one, Gemma 3's five of six).
@@ -215,6 +217,10 @@ class ModelSpec:
     attention_softcap: float | None = None
     logit_softcap: float | None = None
     local_rope_theta: float | None = None
+    # Phi-3/4: RoPE rotates the first head_dim x partial_rotary_factor channels of each head
+    # (ONNX RotaryEmbedding's rotary_embedding_dim); q/k/v and gate/up come fused in the
+    # checkpoint (qkv_proj, gate_up_proj) and are split at load.
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self):
         if self.attention not in ATTENTION_KINDS:
@@ -232,6 +238,13 @@ class ModelSpec:
     def output_bias(self) -> bool:
         """o_proj's bias: Qwen2's attention biases are q/k/v only; elsewhere attention_bias means all four."""
         return self.attention_bias and self.architecture != "Qwen2ForCausalLM"
+
+    @property
+    def rotary_dim(self) -> int:
+        """The channels RoPE rotates per head: MLA's qk_rope_head_dim, else head_dim x partial_rotary_factor."""
+        if self.attention == "mla":
+            return self.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def qk_head_dim(self) -> int:
@@ -304,6 +317,7 @@ class ModelSpec:
             logit_softcap=optional_float(cfg.get("final_logit_softcapping", 30.0 if arch == "Gemma2ForCausalLM"
                                                  else None)),
             local_rope_theta=local_theta,
+            partial_rotary_factor=partial_rotary_factor(cfg),
         )
 
     @classmethod
@@ -366,8 +380,9 @@ def read_rope(cfg: dict, arch: str) -> tuple[float, dict | None]:
             f"unsupported rope scaling {kind!r} for {arch}; supported: default, {', '.join(ROPE_SCALINGS)}"
             + (" (longrope, Phi-3's and MiniCPM3-4B's: per-channel short/long factors that switch with the "
                "sequence length, is not exported yet)" if kind == "longrope" else ""))
-    if rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ManifestError(f"{arch}: partial_rotary_factor (RoPE on part of each head) is not exported yet")
+    if partial_rotary_factor(cfg) != 1.0 and arch != "Phi3ForCausalLM":
+        raise ManifestError(f"{arch}: partial_rotary_factor (RoPE on part of each head) is exported for "
+                            "Phi3ForCausalLM only (transformers applies it there)")
     if kind == "default":
         return theta, None
     if kind in ("llama3", "yarn"):
@@ -390,6 +405,13 @@ def max_positions(cfg: dict, scaling: dict | None) -> int:
     if scaling and scaling["rope_type"] == "yarn":
         positions = max(positions, int(scaling["original_max_position_embeddings"] * scaling["factor"]))
     return positions
+
+
+def partial_rotary_factor(cfg: dict) -> float:
+    """The share of each head RoPE rotates (its first channels): config.json's rope_parameters
+    (transformers 5.24) or top level (4)."""
+    rope = cfg.get("rope_parameters") or {}
+    return float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
 
 
 def optional_float(value) -> float | None:
@@ -436,15 +458,15 @@ def smollm3_rope_flags(cfg: dict) -> list[int]:
 
 
 def sliding_layers(cfg: dict, arch: str, layers: int) -> tuple[int | None, tuple[int, ...]]:
-    """(window, the layers that slide) as transformers 5.24 applies sliding_window: Mistral's to
-    every layer; Qwen2's, Qwen3's and SmolLM3's only with use_sliding_window, to the layers
+    """(window, the layers that slide) as transformers 5.24 applies sliding_window: Mistral's and
+    Phi-3's to every layer; Qwen2's, Qwen3's and SmolLM3's only with use_sliding_window, to the layers
     layer_types names sliding_attention (by default Qwen's from max_window_layers on, SmolLM3's
     layers without RoPE); Gemma 2's and 3's always, to the layers layer_types names (by default
     GEMMA_LAYER_TYPES'); Llama's never. (None, ()) when no layer slides."""
     window = cfg.get("sliding_window")
-    if not window or arch not in ("MistralForCausalLM", *WINDOW_FLAGGED, *GEMMA_LAYER_TYPES):
+    if not window or arch not in (*WINDOW_EVERYWHERE, *WINDOW_FLAGGED, *GEMMA_LAYER_TYPES):
         return None, ()
-    if arch == "MistralForCausalLM":
+    if arch in WINDOW_EVERYWHERE:
         return int(window), tuple(range(layers))
     if arch in WINDOW_FLAGGED and not cfg.get("use_sliding_window"):
         return None, ()

@@ -2,7 +2,8 @@
 (q/k norms, linear RoPE) and SmolLM3 (NoPE layers), as tiny Hugging Face checkpoints with random
 weights, exported in both layouts and run by the in-process engine against transformers'
 generate(); Mistral's and Qwen2's sliding windows as transformers applies them, generating past
-them; instruct checkpoints' files (generation_config.json's stop ids, chat_template.jinja, BOS)."""
+them; Gemma 2, Gemma 3 (text) and Phi-3 (fused projections, partial RoPE); instruct checkpoints'
+files (generation_config.json's stop ids, chat_template.jinja, BOS)."""
 from __future__ import annotations
 
 import json
@@ -48,6 +49,8 @@ FAMILIES = {
                                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
                                                                       "rope_theta": 1e6},
                                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    # fused qkv_proj / gate_up_proj, RoPE on half of each head, a window on every layer
+    "phi3": ("Phi3", dict(partial_rotary_factor=0.5, sliding_window=26)),
 }
 WINDOWED = ("mistral-window", "qwen2-window")
 # A chat template in Llama 3.1's manner, using every helper transformers gives templates.
@@ -242,8 +245,11 @@ def test_sliding_windows_as_transformers_applies_them():
 
 
 def test_later_families_stay_refused():
-    with pytest.raises(ManifestError, match="unsupported architecture 'Phi3ForCausalLM'; supported: .*Gemma3"):
-        ModelSpec.from_hf_config({**COMMON, "architectures": ["Phi3ForCausalLM"]})
+    with pytest.raises(ManifestError, match="unsupported rope scaling 'longrope' for Phi3ForCausalLM.*Phi-3"):
+        ModelSpec.from_hf_config({**COMMON, "architectures": ["Phi3ForCausalLM"], "rope_scaling": {
+            "type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}})
+    with pytest.raises(ManifestError, match="partial_rotary_factor .* Phi3ForCausalLM only"):
+        ModelSpec.from_hf_config({**COMMON, "architectures": ["LlamaForCausalLM"], "partial_rotary_factor": 0.5})
     with pytest.raises(ManifestError, match="Gemma3ForConditionalGeneration .*vision.*Gemma3ForCausalLM"):
         ModelSpec.from_hf_config({**COMMON, "architectures": ["Gemma3ForConditionalGeneration"]})
 
