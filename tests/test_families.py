@@ -331,6 +331,25 @@ def test_export_generates_what_transformers_generates(family_exports, checkpoint
     assert max(abs(a - b) for a, b in zip(got[1], logprobs)) <= LOGPROB_TOLERANCE
 
 
+def test_concat_windows_count_positions_across_a_shorter_rows_gap(family_exports, checkpoints):
+    """Concat rows step together, so a shorter prompt's row has padding columns between its prompt
+    and its generated tokens: its window counts token positions (attention_mask's running count),
+    not columns, and the row generates what it generates alone."""
+    from runtime.greedy import Greedy
+    from runtime.runners import open_runner
+
+    _, prompt, tokens, _ = checkpoints["mistral-window"]
+    directory, short = family_exports("mistral-window", "concat"), prompt[:PROMPT_TOKENS - 9]
+    run = Greedy(open_runner(directory, threads=1), [prompt, short], NEW_TOKENS)
+    run.prefill(every_position=False)
+    together = [run.next_tokens.tolist()]
+    for _ in range(NEW_TOKENS - 1):
+        run.step()
+        together.append(run.next_tokens.tolist())
+    assert [row[0] for row in together] == tokens
+    assert [row[1] for row in together] == runner_greedy(directory, short)[0]
+
+
 def test_qwen3_norms_stay_standard_ops(family_exports):
     """q/k norms are RMSNormalization nodes (two per layer beside the two layer norms and the
     final one), never ORT's CUDA-only fused q/k norm; SmolLM3's NoPE layer has no RotaryEmbedding."""
