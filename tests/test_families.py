@@ -364,6 +364,30 @@ def test_qwen3_norms_stay_standard_ops(family_exports):
     assert smol.count("RotaryEmbedding") == 2  # layer 0's query and key
 
 
+def test_gemma_and_phi3_graphs_stay_standard_ops(family_exports):
+    """Gemma's (1 + weight) norms stay one RMSNormalization each (four per layer, Gemma 3's q/k norms
+    beside them), its GLU one Gelu per layer, its attention softcap Attention's own attribute at opset
+    24; Phi-3's partial RoPE is RotaryEmbedding's rotary_embedding_dim."""
+    import onnx
+
+    from kvforge.onnx_graphs import all_nodes
+
+    def graph(family):
+        model = onnx.load(str(family_exports(family) / "model.onnx"))
+        nodes = list(all_nodes(model.graph))
+        assert {n.domain for n in nodes} <= {"", "ai.onnx"} and model.opset_import[0].version == 24
+        return nodes
+
+    gemma2, gemma3 = graph("gemma2"), graph("gemma3")
+    assert [n.op_type for n in gemma2].count("RMSNormalization") == 4 * 2 + 1
+    assert [n.op_type for n in gemma3].count("RMSNormalization") == (4 + 2) * 2 + 1
+    assert [n.op_type for n in gemma2].count("Gelu") == 2
+    attentions = [n for n in gemma2 if n.op_type == "Attention"]
+    assert attentions and all(any(a.name == "softcap" and a.f == 2.0 for a in n.attribute) for n in attentions)
+    ropes = [n for n in graph("phi3") if n.op_type == "RotaryEmbedding"]
+    assert ropes and all(any(a.name == "rotary_embedding_dim" and a.i == 8 for a in n.attribute) for n in ropes)
+
+
 def test_shards_are_read_through_the_index(checkpoints):
     """The llama3.1 checkpoint's zeroed consolidated.safetensors is not read (the parity test would fail)."""
     from export.checkpoint import weight_files
