@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kvforge.manifest import KVDType, ManifestError, ModelSpec
+from kvforge.manifest import GEMMA_LAYER_TYPES, KVDType, ManifestError, ModelSpec
 from export.model import CausalLM, rope_rows_to_halves
 
 # Copied into the export (and on into engines): the tokenizer, the chat template (transformers
@@ -71,11 +71,15 @@ def load_model(checkpoint: Path, layout: str, kv: KVDType) -> tuple[ModelSpec, C
     spec = ModelSpec.from_hf_config(read_config(checkpoint))
     model = CausalLM(spec, layout, kv)
     expected = {k for k in model.state_dict() if not (spec.tie_word_embeddings and k == "lm_head.weight")}
+    fused = fused_weights(spec)
     state: dict[str, torch.Tensor] = {}
     for path in weight_files(checkpoint):
         with safe_open(str(path), framework="pt") as f:  # one tensor at a time: MTP layers and the like stay unread
-            for key in expected.intersection(f.keys()):
+            for key in (expected | fused.keys()).intersection(f.keys()):
                 state[key] = f.get_tensor(key).to(torch.float32)
+    for key, parts in fused.items():
+        if key in state:
+            state.update(zip([name for name, _ in parts], state.pop(key).split([rows for _, rows in parts])))
     missing = sorted(expected - state.keys())
     if missing:
         raise ManifestError(f"{checkpoint} lacks weights the architecture needs, e.g. {missing[:3]}")
@@ -83,8 +87,28 @@ def load_model(checkpoint: Path, layout: str, kv: KVDType) -> tuple[ModelSpec, C
         permute_rope_rows(spec, state)
     if spec.architecture == "MiniCPM3ForCausalLM":
         fold_minicpm3_scales(read_config(checkpoint), spec, state)
+    if spec.architecture in GEMMA_LAYER_TYPES:  # Gemma norms scale by (1 + weight): one RMSNormalization
+        for key in [k for k in state if k.endswith("norm.weight")]:
+            state[key] = 1.0 + state[key]
     model.load_state_dict(state, strict=False)
     return spec, model.eval()
+
+
+def fused_weights(spec: ModelSpec) -> dict[str, list[tuple[str, int]]]:
+    """Phi-3's fused projections -> the modules' own weights and their row counts: qkv_proj holds
+    q, k, v and gate_up_proj gate, up, stacked by rows (split at load; the export folds them back
+    into one MatMul each, as for every family)."""
+    if spec.architecture != "Phi3ForCausalLM":
+        return {}
+    q, kv, ff = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.intermediate_size
+    fused = {}
+    for i in range(spec.num_layers):
+        prefix = f"model.layers.{i}."
+        fused[prefix + "self_attn.qkv_proj.weight"] = [(prefix + f"self_attn.{name}_proj.weight", rows)
+                                                       for name, rows in (("q", q), ("k", kv), ("v", kv))]
+        fused[prefix + "mlp.gate_up_proj.weight"] = [(prefix + "mlp.gate_proj.weight", ff),
+                                                     (prefix + "mlp.up_proj.weight", ff)]
+    return fused
 
 
 def permute_rope_rows(spec: ModelSpec, state: dict[str, torch.Tensor]) -> None:

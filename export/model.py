@@ -1,5 +1,5 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM3) and DeepSeek-V2/V3's Multi-head Latent
-Attention (MLAAttention, dense layers only), written for export with an explicit KV cache.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Gemma 2/3, Phi-3/4) and DeepSeek-V2/V3's
+Multi-head Latent Attention (MLAAttention, dense layers only), written for export with an explicit KV cache.
 
 Module and parameter names match Hugging Face checkpoints, so a safetensors state dict loads
 as is. The cache is passed in and returned as flat tensors in the order the manifest gives
@@ -45,10 +45,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     pairs, DeepSeek-V2's complex form): one ONNX RotaryEmbedding op (opset 23) instead of a dozen
     slices and elementwise ops per call. The 4-D form is the one TensorRT's IRotaryEmbeddingLayer
     documents. Training (export.train) takes the same math in plain torch ops: torch registers no
-    autograd formula for the ONNX op."""
+    autograd formula for the ONNX op. cos/sin narrower than D/2 rotate only the first 2 x their
+    width channels (Phi-3's partial_rotary_factor: rotary_embedding_dim)."""
     if x.requires_grad:
         return rotate(x, cos, sin, interleaved)
-    return torch.onnx.ops.rotary_embedding(x, cos, sin, interleaved=interleaved)
+    rotary = 2 * cos.shape[-1]
+    return torch.onnx.ops.rotary_embedding(x, cos, sin, interleaved=interleaved,
+                                           rotary_embedding_dim=rotary if rotary < x.shape[-1] else 0)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -59,16 +62,19 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: b
     return torch.stack(rotated, dim=-1).flatten(-2) if interleaved else torch.cat(rotated, dim=-1)
 
 
-def rope_frequencies(spec: ModelSpec) -> tuple[torch.Tensor, float]:
+def rope_frequencies(spec: ModelSpec, local: bool = False) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [D/2] of the rotary channels (head_dim; MLA: qk_rope_head_dim) and the
     factor cos/sin are multiplied by: plain RoPE, or the scaling spec.rope_scaling names, computed
     as transformers 5.24's modeling_rope_utils does (the same float32 ops, so the same bits):
     linear divides every frequency by the factor; llama3 divides the low frequencies (wavelength
     beyond original / low_freq_factor) by it, keeps the high ones (below original /
     high_freq_factor) and blends between; yarn blends interpolated and extrapolated frequencies
-    over a ramp of channels and scales cos/sin by its attention factor (mscale)."""
-    dim = spec.qk_rope_head_dim if spec.attention == "mla" else spec.head_dim
+    over a ramp of channels and scales cos/sin by its attention factor (mscale). local: the
+    sliding layers' own unscaled RoPE of base spec.local_rope_theta (Gemma 3)."""
+    dim = spec.rotary_dim
     base, rope, kind = spec.rope_theta, spec.rope_scaling or {}, spec.rope_type
+    if local:
+        base, kind = spec.local_rope_theta, "default"
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim)
     inv_freq = 1.0 / pos_freqs
     if kind == "default":
@@ -112,10 +118,10 @@ def rope_frequencies(spec: ModelSpec) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attention_factor)
 
 
-def rope_cos_sin(positions: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(positions: torch.Tensor, spec: ModelSpec, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [B, S, D/2] for integer positions [B, S] (yarn's attention factor applied to both,
-    as transformers applies it)."""
-    inv_freq, factor = rope_frequencies(spec)
+    as transformers applies it); local: rope_frequencies'."""
+    inv_freq, factor = rope_frequencies(spec, local)
     freqs = positions.to(torch.float32)[..., None] * inv_freq
     if factor == 1.0:
         return freqs.cos(), freqs.sin()
@@ -143,14 +149,17 @@ def packed_linear(x: torch.Tensor, layers: list[nn.Linear]) -> tuple[torch.Tenso
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-           scale: float | None = None) -> torch.Tensor:
+           scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
     """Softmax attention of q [B, H, S, D] over k/v [B, KVH, T, D]; allowed [B, 1, S, T] bool.
-    scale: the softmax scale (default 1/sqrt(D))."""
+    scale: the softmax scale (default 1/sqrt(D)); softcap: scores -> softcap * tanh(scores / softcap)
+    before the mask (Gemma 2), as ONNX Attention's softcap does."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
     scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     # A finite fill keeps fully masked (padding) rows NaN-free.
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     return torch.softmax(scores, dim=-1) @ v
@@ -168,10 +177,16 @@ def scatter_into(buffer: torch.Tensor, update: torch.Tensor, write_positions: to
 
 
 def attend_inplace(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, write_positions: torch.Tensor,
-                   scale: float | None = None, exporting: bool | None = None) -> torch.Tensor:
+                   scale: float | None = None, exporting: bool | None = None, window: int | None = None,
+                   softcap: float | None = None) -> torch.Tensor:
     """Causal attention over a fixed-capacity cache whose row b holds write_positions[b] + S entries.
     exporting: emit ONNX Attention (default: whether torch.onnx is exporting; inside torch.cond's
     branches dynamo answers that with False, so MLA reads it outside and passes it in).
+    window: a sliding-window layer's W: query i keeps key j only when i - W < j <= i, as
+    transformers masks it (buffer position = token position in this layout). Stays in the
+    boolean mask, not opset 25's left_window_size, which would move the whole graph to opset 25
+    (TensorRT's parser takes 9-24) and counts keys by buffer position, which a ring or compacted
+    window buffer breaks. softcap: as attend's (ONNX Attention's softcap, applied before the mask).
 
     The limit goes in as an explicit boolean mask rather than Attention's nonpad_kv_seqlen input:
     the TensorRT ONNX parser rejects nonpad_kv_seqlen, and on ONNX Runtime CPU both cost the same
@@ -184,26 +199,39 @@ def attend_inplace(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, write_posi
     35 -> 27 us over 128 keys, 272 -> 159 us over 2,048."""
     key_index = torch.arange(k.shape[2])
     query_pos = write_positions[:, None] + torch.arange(q.shape[2])  # [B, S]
-    allowed = (key_index[None, None, :] <= query_pos[:, :, None])[:, None]  # [B, 1, S, CAP]
+    allowed = key_index[None, None, :] <= query_pos[:, :, None]
+    if window is not None:
+        allowed = allowed & (key_index[None, None, :] > query_pos[:, :, None] - window)
+    allowed = allowed[:, None]  # [B, 1, S, CAP]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if not (torch.onnx.is_in_onnx_export() if exporting is None else exporting):
-        return attend(q, k, v, allowed, scale)
+        return attend(q, k, v, allowed, scale, softcap)
+    attributes = {"scale": scale, **({"softcap": float(softcap)} if softcap else {})}
     rows, heads, queries, width = q.shape
     groups = heads // k.shape[1]
     if not (isinstance(queries, int) and queries == 1 and groups > 1):
-        return torch.onnx.ops.symbolic("Attention", (q, k, v, allowed), {"scale": scale},
+        return torch.onnx.ops.symbolic("Attention", (q, k, v, allowed), attributes,
                                        dtype=q.dtype, shape=(*q.shape[:3], v.shape[-1]), version=24)
     grouped = torch.onnx.ops.symbolic(
         "Attention", (q.reshape(rows, k.shape[1], groups, width), k, v, allowed.expand(-1, -1, groups, -1)),
-        {"scale": scale}, dtype=q.dtype, shape=(rows, k.shape[1], groups, v.shape[-1]), version=24)
+        attributes, dtype=q.dtype, shape=(rows, k.shape[1], groups, v.shape[-1]), version=24)
     return grouped.reshape(rows, heads, 1, v.shape[-1])
 
 
 class ConcatStep:
-    """The Optimum-compatible step: rows [B, S] right-padded, present = concat(past, new)."""
+    """The Optimum-compatible step: rows [B, S] right-padded, present = concat(past, new).
+    attention_mask [B, T] marks each row's real keys (a shorter row's past has gaps), position_ids
+    [B, S] its queries' positions."""
 
-    def __init__(self, mask: torch.Tensor):
-        self.mask = mask  # [B, 1, S, T] bool
+    def __init__(self, attention_mask: torch.Tensor, position_ids: torch.Tensor):
+        past = attention_mask.shape[1] - position_ids.shape[1]
+        key_index = torch.arange(attention_mask.shape[1])
+        query_index = past + torch.arange(position_ids.shape[1])
+        causal = key_index[None, :] <= query_index[:, None]  # [S, T]
+        self.mask = (causal[None] & (attention_mask[:, None, :] > 0))[:, None]  # [B, 1, S, T] bool
+        # the keys' token positions, for windows: a gap in a row's past is not a position
+        self.key_positions = attention_mask.cumsum(-1) - 1
+        self.query_positions = position_ids
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -211,11 +239,17 @@ class ConcatStep:
     def update(self, cache: list[torch.Tensor], new: list[torch.Tensor]) -> list[torch.Tensor]:
         return [torch.cat((old, fresh), dim=2) for old, fresh in zip(cache, new)]
 
-    def attend(self, queries: tuple, buffers: tuple, attention, span_always_pays: bool = False) -> torch.Tensor:
-        """attention(queries, buffers, core, wide) with core(q, k, v, scale) the masked softmax (over
-        past + new: there is no decode span to choose, whatever span_always_pays says)."""
-        return attention(queries, buffers, lambda q, k, v, scale, exporting=None: attend(q, k, v, self.mask, scale),
-                         True)
+    def attend(self, queries: tuple, buffers: tuple, attention, span_always_pays: bool = False,
+               window: int | None = None) -> torch.Tensor:
+        """attention(queries, buffers, core, wide) with core(q, k, v, scale, softcap=) the masked softmax
+        (over past + new: there is no decode span to choose, whatever span_always_pays says);
+        window: a sliding layer's (key position > query position - window)."""
+        mask = self.mask
+        if window is not None:
+            recent = self.key_positions[:, None, :] > self.query_positions[:, :, None] - window  # [B, S, T]
+            mask = mask & recent[:, None]
+        return attention(queries, buffers, lambda q, k, v, scale, exporting=None, softcap=None:
+                         attend(q, k, v, mask, scale, softcap), True)
 
 
 def leading(buffer: torch.Tensor, ends: torch.Tensor, sizes: tuple, exporting: bool) -> torch.Tensor:
@@ -277,17 +311,19 @@ class InplaceStep:
     def update(self, cache: list[torch.Tensor], new: list[torch.Tensor]) -> list[torch.Tensor]:
         return [scatter_into(old, fresh, self.write_positions) for old, fresh in zip(cache, new)]
 
-    def attend(self, queries: tuple, buffers: tuple, attention, span_always_pays: bool = False) -> torch.Tensor:
+    def attend(self, queries: tuple, buffers: tuple, attention, span_always_pays: bool = False,
+               window: int | None = None) -> torch.Tensor:
         """Token-major queries [1, H, T, D_i] over the updated buffers [B, KVH, CAP, D_j] -> [1, H, T, Dv]:
         attention(queries, buffers, core, wide) runs once for the chunk rows (wide: S queries over
-        L positions) and once for every row's decode query, core(q, k, v, scale, exporting) being
-        the causal attention of those rows. span_always_pays: the decode span's copy costs less than
-        attending over any position it spares (MLA's latent), so no If decides."""
+        L positions) and once for every row's decode query, core(q, k, v, scale, exporting, softcap=)
+        being the causal attention of those rows (window: a sliding layer's, attend_inplace).
+        span_always_pays: the decode span's copy costs less than attending over any position it
+        spares (MLA's latent), so no If decides."""
         p, span, exporting = self.chunk_rows, self.chunk_keys, torch.onnx.is_in_onnx_export()
 
         def rows_core(write_positions):
-            return lambda q, k, v, scale, exporting=exporting: attend_inplace(q, k, v, write_positions, scale,
-                                                                              exporting)
+            return lambda q, k, v, scale, exporting=exporting, softcap=None: attend_inplace(
+                q, k, v, write_positions, scale, exporting, window, softcap)
 
         chunk = attention(tuple(take_tokens(q[0], self.row_tokens[:p]).transpose(0, 1) for q in queries),
                           tuple(leading(b, self.extent[:2], (p, span), exporting) for b in buffers),
@@ -332,6 +368,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
         self.rope = layer not in spec.nope_layers
+        self.window = spec.sliding_window if layer in spec.sliding_layers else None
+        self.scale, self.softcap = spec.attention_scale, spec.attention_softcap
         # int8-static KV: calibrated per-channel scales (export/calibrate.py); not checkpoint weights
         scale_shape = (1, spec.num_kv_heads, 1, spec.head_dim)
         self.register_buffer("k_scale", torch.ones(scale_shape), persistent=False)
@@ -355,7 +393,9 @@ class Attention(nn.Module):
         scales = len(present) > 2
         k_all = kv_codec.decode([present[0]] + ([present[2]] if scales else []), kv, self.k_scale)
         v_all = kv_codec.decode([present[1]] + ([present[3]] if scales else []), kv, self.v_scale)
-        out = step.attend((q,), (k_all, v_all), lambda qs, kvs, core, wide: core(qs[0], *kvs, None))
+        out = step.attend((q,), (k_all, v_all),
+                          lambda qs, kvs, core, wide: core(qs[0], *kvs, self.scale, softcap=self.softcap),
+                          window=self.window)
         out = out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
         return self.o_proj(out), present
 
@@ -501,29 +541,44 @@ def mla_attention(decompress, spec: ModelSpec, q_nope, q_pe, context, w, core, e
 
 
 class MLP(nn.Module):
+    """down(act(gate) * up): SiLU (Llama's family) or tanh-approximated GELU (Gemma's, one ONNX Gelu)."""
+
     def __init__(self, spec: ModelSpec):
         super().__init__()
+        self.gelu = spec.mlp_activation == "gelu_tanh"
         self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = packed_linear(x, [self.gate_proj, self.up_proj])
-        return self.down_proj(nn.functional.silu(gate) * up)
+        gate = nn.functional.gelu(gate, approximate="tanh") if self.gelu else nn.functional.silu(gate)
+        return self.down_proj(gate * up)
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP; with spec.sandwich_norms (Gemma 2/3) each branch's output is
+    normed too before its residual add: post_attention_layernorm then norms the attention's output
+    and pre_/post_feedforward_layernorm wrap the MLP."""
+
     def __init__(self, spec: ModelSpec, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = MLAAttention(spec) if spec.attention == "mla" else Attention(spec, layer)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
+        self.sandwich = spec.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, x, cos, sin, cache, kv, step):
         attn, present = self.self_attn(self.input_layernorm(x), cos, sin, cache, kv, step)
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), present
+        if not self.sandwich:
+            x = x + attn
+            return x + self.mlp(self.post_attention_layernorm(x)), present
+        x = x + self.post_attention_layernorm(attn)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), present
 
 
 class Backbone(nn.Module):
@@ -549,21 +604,21 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, *args: torch.Tensor):
         if self.layout == "concat":
             attention_mask, position_ids, *cache = args
-            past = cache[0].shape[2]
-            key_index = torch.arange(attention_mask.shape[1])
-            query_pos = past + torch.arange(input_ids.shape[1])
-            causal = key_index[None, :] <= query_pos[:, None]  # [S, T]
-            step = ConcatStep((causal[None] & (attention_mask[:, None, :] > 0))[:, None])
+            step = ConcatStep(attention_mask, position_ids)
         else:
             positions, write_positions, row_tokens, attention_extent, token_slots, logit_index, *cache = args
             step = InplaceStep(write_positions, row_tokens, attention_extent, token_slots)
             input_ids, position_ids = input_ids[None], positions[None]  # one row of packed tokens
-        cos, sin = rope_cos_sin(position_ids, self.spec)
+        rope = rope_cos_sin(position_ids, self.spec)
+        local_rope = rope_cos_sin(position_ids, self.spec, local=True) if self.spec.local_rope_theta else rope
 
         x = self.model.embed_tokens(input_ids)
+        if self.spec.embedding_multiplier != 1.0:  # Gemma: sqrt(hidden), rounded to float32 as transformers does
+            x = x * torch.tensor(self.spec.embedding_multiplier, dtype=x.dtype)
         presents: list[torch.Tensor] = []
         for i, layer in enumerate(self.model.layers):
             layer_cache = list(cache[i * self.per_layer:(i + 1) * self.per_layer])
+            cos, sin = local_rope if i in self.spec.sliding_layers else rope
             x, present = layer(x, cos, sin, layer_cache, self.kv, step)
             presents += present
         if self.layout == "inplace":
@@ -572,4 +627,7 @@ class CausalLM(nn.Module):
             # the lm_head generation skips took 17% of the step; a second graph for scoring would
             # hold a second copy of the weights on disk and in every session.
             x = x[0].index_select(0, logit_index)
-        return (self.lm_head(self.model.norm(x)), *presents)
+        logits = self.lm_head(self.model.norm(x))
+        if self.spec.logit_softcap:  # Gemma 2
+            logits = torch.tanh(logits / self.spec.logit_softcap) * self.spec.logit_softcap
+        return (logits, *presents)

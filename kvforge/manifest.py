@@ -22,8 +22,22 @@ MODEL_FILE = "model.onnx"
 OPSET = 24  # TensorScatter (the in-place KV write) needs opset 24
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "SmolLM3ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-                           "MiniCPM3ForCausalLM")
+                           "SmolLM3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
+                           "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "MiniCPM3ForCausalLM")
+# Families whose sliding_window applies to every layer when set (Phi-3-mini-4k's 2,047).
+WINDOW_EVERYWHERE = ("MistralForCausalLM", "Phi3ForCausalLM")
+# Gemma 2/3: embeddings x sqrt(hidden), (1 + weight) RMSNorms (folded into the weights at load),
+# four norms per layer, a tanh-GELU GLU, query_pre_attn_scalar's softmax scale, and layers that
+# slide as layer_types says (by default Gemma 2's every other one, Gemma 3's five of six).
+GEMMA_LAYER_TYPES = {
+    "Gemma2ForCausalLM": lambda cfg, i: (i + 1) % 2 != 0,
+    "Gemma3ForCausalLM": lambda cfg, i: (i + 1) % int(cfg.get("sliding_window_pattern", 6)) != 0,
+}
+REFUSED_ARCHITECTURES = {
+    "Gemma3ForConditionalGeneration": "Gemma3ForConditionalGeneration (Gemma 3 4B-27B: a vision tower beside the "
+    "text decoder) is not exported: its text part (text_config, the language_model.* weights) is not read yet; "
+    "Gemma3ForCausalLM checkpoints (Gemma 3 270M/1B, text only) export",
+}
 # RoPE scalings the exporter computes (export.model.rope_frequencies, transformers 5.24's
 # modeling_rope_utils), and the config keys each reads besides rope_theta.
 ROPE_SCALINGS = {
@@ -188,9 +202,25 @@ class ModelSpec:
     nope_layers: tuple[int, ...] = ()  # SmolLM3: the layers that apply no RoPE
     # Layers that attend over only the last sliding_window positions (i - W < j <= i), as
     # transformers applies Mistral's and Qwen2/Qwen3's windows; None / (): no layer slides. The
-    # cache is not windowed yet: Manifest refuses a max_seq_len beyond the window.
+    # window is in the attention mask; the cache still holds max_seq_len positions for every layer.
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
+    # Gemma 2/3 (GEMMA_LAYER_TYPES): post-attention and pre/post-feedforward norms around the
+    # residual branches; the MLP's activation ("silu" | "gelu_tanh"); what the embeddings are
+    # multiplied by; the softmax scale's query_pre_attn_scalar ** -0.5 (None: head_dim's);
+    # tanh caps of the attention scores and of the final logits (None: none); the sliding
+    # layers' own RoPE base (Gemma 3's local RoPE, unscaled; None: the global one).
+    sandwich_norms: bool = False
+    mlp_activation: str = "silu"
+    embedding_multiplier: float = 1.0
+    query_pre_attn_scalar: float | None = None
+    attention_softcap: float | None = None
+    logit_softcap: float | None = None
+    local_rope_theta: float | None = None
+    # Phi-3/4: RoPE rotates the first head_dim x partial_rotary_factor channels of each head
+    # (ONNX RotaryEmbedding's rotary_embedding_dim); q/k/v and gate/up come fused in the
+    # checkpoint (qkv_proj, gate_up_proj) and are split at load.
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self):
         if self.attention not in ATTENTION_KINDS:
@@ -210,6 +240,13 @@ class ModelSpec:
         return self.attention_bias and self.architecture != "Qwen2ForCausalLM"
 
     @property
+    def rotary_dim(self) -> int:
+        """The channels RoPE rotates per head: MLA's qk_rope_head_dim, else head_dim x partial_rotary_factor."""
+        if self.attention == "mla":
+            return self.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
@@ -217,7 +254,7 @@ class ModelSpec:
     def attention_scale(self) -> float:
         """Softmax scale: 1/sqrt(query width), for yarn MLA times mscale(factor, mscale_all_dim)^2."""
         if self.attention != "mla":
-            return self.head_dim ** -0.5
+            return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
         scale = self.qk_head_dim ** -0.5
         yarn = self.rope_scaling or {}
         if yarn.get("mscale_all_dim") and yarn.get("factor", 1.0) > 1:
@@ -231,15 +268,21 @@ class ModelSpec:
         exporter refuses without changing the cache (MoE layers, quantized weights) is let through."""
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else None
+        if arch in REFUSED_ARCHITECTURES:
+            raise ManifestError(REFUSED_ARCHITECTURES[arch])
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ManifestError(
                 f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         if arch in MLA_ARCHITECTURES:
             return cls._from_mla_config(cfg, arch, cache_only)
-        if (cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias")) and not cache_only:
-            raise ManifestError(f"{arch}: only a SiLU MLP without biases is supported "
-                                f"(hidden_act={cfg.get('hidden_act')!r}, mlp_bias={cfg.get('mlp_bias')})")
-        theta, scaling = read_rope(cfg, arch)
+        gemma = arch in GEMMA_LAYER_TYPES
+        activation = read_mlp_activation(cfg, arch, strict=not cache_only)
+        if cfg.get("mlp_bias") and not cache_only:
+            raise ManifestError(f"{arch}: an MLP with biases (mlp_bias) is not supported")
+        if cfg.get("use_bidirectional_attention") and not cache_only:
+            raise ManifestError(f"{arch}: use_bidirectional_attention (an encoder's attention) is not supported")
+        rope_cfg, local_theta = gemma3_rope(cfg) if arch == "Gemma3ForCausalLM" else (cfg, None)
+        theta, scaling = read_rope(rope_cfg, arch)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         layers = int(cfg["num_hidden_layers"])
@@ -260,11 +303,21 @@ class ModelSpec:
             attention_bias=bool(cfg.get("attention_bias") or arch == "Qwen2ForCausalLM"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             rope_scaling=scaling,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             nope_layers=tuple(i for i, rope in enumerate(smollm3_rope_flags(cfg)) if not rope)
             if arch == "SmolLM3ForCausalLM" else (),
             sliding_window=window,
             sliding_layers=sliding,
+            sandwich_norms=gemma,
+            mlp_activation=activation,
+            embedding_multiplier=hidden ** 0.5 if gemma else 1.0,
+            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)) if gemma else None,
+            attention_softcap=optional_float(cfg.get("attn_logit_softcapping", 50.0 if arch == "Gemma2ForCausalLM"
+                                                     else None)),
+            logit_softcap=optional_float(cfg.get("final_logit_softcapping", 30.0 if arch == "Gemma2ForCausalLM"
+                                                 else None)),
+            local_rope_theta=local_theta,
+            partial_rotary_factor=partial_rotary_factor(cfg),
         )
 
     @classmethod
@@ -327,8 +380,9 @@ def read_rope(cfg: dict, arch: str) -> tuple[float, dict | None]:
             f"unsupported rope scaling {kind!r} for {arch}; supported: default, {', '.join(ROPE_SCALINGS)}"
             + (" (longrope, Phi-3's and MiniCPM3-4B's: per-channel short/long factors that switch with the "
                "sequence length, is not exported yet)" if kind == "longrope" else ""))
-    if rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ManifestError(f"{arch}: partial_rotary_factor (RoPE on part of each head) is not exported yet")
+    if partial_rotary_factor(cfg) != 1.0 and arch != "Phi3ForCausalLM":
+        raise ManifestError(f"{arch}: partial_rotary_factor (RoPE on part of each head) is exported for "
+                            "Phi3ForCausalLM only (transformers applies it there)")
     if kind == "default":
         return theta, None
     if kind in ("llama3", "yarn"):
@@ -353,6 +407,46 @@ def max_positions(cfg: dict, scaling: dict | None) -> int:
     return positions
 
 
+def partial_rotary_factor(cfg: dict) -> float:
+    """The share of each head RoPE rotates (its first channels): config.json's rope_parameters
+    (transformers 5.24) or top level (4)."""
+    rope = cfg.get("rope_parameters") or {}
+    return float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+
+
+def optional_float(value) -> float | None:
+    return None if value is None else float(value)
+
+
+def read_mlp_activation(cfg: dict, arch: str, strict: bool = True) -> str:
+    """"silu" (Llama's family) or "gelu_tanh" (Gemma's gelu_pytorch_tanh, read from
+    hidden_activation, which transformers' Gemma models use, before hidden_act). strict: refuse
+    another activation (sizing the cache alone does not need it)."""
+    if arch in GEMMA_LAYER_TYPES:
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+        if act != "gelu_pytorch_tanh" and strict:
+            raise ManifestError(f"{arch}: only the gelu_pytorch_tanh MLP is supported (hidden_activation={act!r})")
+        return "gelu_tanh"
+    if cfg.get("hidden_act", "silu") != "silu" and strict:
+        raise ManifestError(f"{arch}: only a SiLU MLP is supported (hidden_act={cfg.get('hidden_act')!r})")
+    return "silu"
+
+
+def gemma3_rope(cfg: dict) -> tuple[dict, float]:
+    """Gemma 3's global RoPE (as a config read_rope reads) and its sliding layers' base, from
+    either form: rope_parameters per layer type ({"full_attention": {...}, "sliding_attention":
+    {...}}, as transformers 5.24 saves them) or rope_theta (default 1e6) / rope_scaling beside
+    rope_local_base_freq (default 10,000)."""
+    per_type = cfg.get("rope_parameters") or {}
+    if "full_attention" not in per_type:
+        return {**cfg, "rope_theta": cfg.get("rope_theta") or 1e6}, float(cfg.get("rope_local_base_freq") or 1e4)
+    local = per_type.get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ManifestError(f"Gemma3ForCausalLM: a scaled local RoPE ({local['rope_type']!r}) is not supported")
+    return ({**cfg, "rope_scaling": None, "rope_parameters": {"rope_theta": 1e6, **per_type["full_attention"]}},
+            float(local.get("rope_theta", 1e4)))
+
+
 def smollm3_rope_flags(cfg: dict) -> list[int]:
     """SmolLM3's no_rope_layers (1 = RoPE, 0 = none), or transformers' default: no RoPE in every
     no_rope_layer_interval-th layer."""
@@ -364,18 +458,20 @@ def smollm3_rope_flags(cfg: dict) -> list[int]:
 
 
 def sliding_layers(cfg: dict, arch: str, layers: int) -> tuple[int | None, tuple[int, ...]]:
-    """(window, the layers that slide) as transformers 5.24 applies sliding_window: Mistral's to
-    every layer; Qwen2's, Qwen3's and SmolLM3's only with use_sliding_window, to the layers
+    """(window, the layers that slide) as transformers 5.24 applies sliding_window: Mistral's and
+    Phi-3's to every layer; Qwen2's, Qwen3's and SmolLM3's only with use_sliding_window, to the layers
     layer_types names sliding_attention (by default Qwen's from max_window_layers on, SmolLM3's
-    layers without RoPE); Llama's never. (None, ()) when no layer slides."""
+    layers without RoPE); Gemma 2's and 3's always, to the layers layer_types names (by default
+    GEMMA_LAYER_TYPES'); Llama's never. (None, ()) when no layer slides."""
     window = cfg.get("sliding_window")
-    if not window or arch not in ("MistralForCausalLM", *WINDOW_FLAGGED):
+    if not window or arch not in (*WINDOW_EVERYWHERE, *WINDOW_FLAGGED, *GEMMA_LAYER_TYPES):
         return None, ()
-    if arch == "MistralForCausalLM":
+    if arch in WINDOW_EVERYWHERE:
         return int(window), tuple(range(layers))
-    if not cfg.get("use_sliding_window"):
+    if arch in WINDOW_FLAGGED and not cfg.get("use_sliding_window"):
         return None, ()
-    types = cfg.get("layer_types") or ["sliding_attention" if WINDOW_FLAGGED[arch](cfg, i) else "full_attention"
+    default = {**WINDOW_FLAGGED, **GEMMA_LAYER_TYPES}[arch]
+    types = cfg.get("layer_types") or ["sliding_attention" if default(cfg, i) else "full_attention"
                                        for i in range(layers)]
     sliding = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
     return (int(window), sliding) if sliding else (None, ())
@@ -604,15 +700,6 @@ class Manifest:
             raise ManifestError(
                 f"max_seq_len must be in 1..{self.model.max_positions} (the model's positions), "
                 f"got {self.max_seq_len}")
-        window = self.model.sliding_window
-        if window is not None and self.max_seq_len > window:
-            layers = self.model.sliding_layers
-            raise ManifestError(
-                f"{self.model.architecture}: {len(layers)} of {self.model.num_layers} layers (the first: layer "
-                f"{layers[0]}) attend over a sliding window of "
-                f"{window} tokens and windowed KV caches are not supported yet, so an engine of max_seq_len "
-                f"{self.max_seq_len} would attend beyond it and differ from the checkpoint; export with "
-                f"--max-seq-len {window} or less (up to the window, full attention is exact)")
 
     @property
     def kv(self) -> KVDType:

@@ -1,8 +1,9 @@
 """The families beyond Llama 2 / Mistral / Qwen2: Llama 3.x (llama3 RoPE), Qwen2 with YaRN, Qwen3
 (q/k norms, linear RoPE) and SmolLM3 (NoPE layers), as tiny Hugging Face checkpoints with random
 weights, exported in both layouts and run by the in-process engine against transformers'
-generate(); sliding windows as transformers applies them; instruct checkpoints' files
-(generation_config.json's stop ids, chat_template.jinja, BOS)."""
+generate(); Mistral's and Qwen2's sliding windows as transformers applies them, generating past
+them; Gemma 2, Gemma 3 (text) and Phi-3 (fused projections, partial RoPE); instruct checkpoints'
+files (generation_config.json's stop ids, chat_template.jinja, BOS)."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ from tests.conftest import ROOT
 
 VOCAB = 4096  # models/stdlib-llama's tokenizer
 ORIGINAL = 32  # original_max_position_embeddings: the generation runs past it
-PROMPT_TOKENS, NEW_TOKENS = 20, 44  # positions 0..63
+PROMPT_TOKENS, NEW_TOKENS = 28, 44  # positions 0..71: prompts and generations longer than the windows
 LOGPROB_TOLERANCE = 2e-3
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               vocab_size=VOCAB, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -35,7 +36,23 @@ FAMILIES = {
     "qwen3-linear": ("Qwen3", dict(head_dim=32, rope_scaling={"rope_type": "linear", "factor": 2.0})),
     # layer 1 applies no RoPE; untied (random tied embeddings loop on 4 tokens here; qwen2-yarn ties)
     "smollm3": ("SmolLM3", dict(no_rope_layers=[1, 0], tie_word_embeddings=False)),
+    # sliding windows shorter than the prompt, not multiples of 16: Mistral's on every layer,
+    # Qwen2's on the layers from max_window_layers
+    "mistral-window": ("Mistral", dict(sliding_window=21)),
+    "qwen2-window": ("Qwen2", dict(sliding_window=25, use_sliding_window=True, max_window_layers=1)),
+    # attention and final softcaps that bite, a query_pre_attn_scalar unlike head_dim; layer 0 slides
+    "gemma2": ("Gemma2", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=22, attn_logit_softcapping=2.0,
+                              final_logit_softcapping=6.0)),
+    # q/k norms, local (theta 10,000) and global (1e6, linear x2) RoPE as 5.24 saves them; layer 1 slides
+    "gemma3": ("Gemma3Text", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=23,
+                                  layer_types=["full_attention", "sliding_attention"],
+                                  rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                      "rope_theta": 1e6},
+                                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    # fused qkv_proj / gate_up_proj, RoPE on half of each head, a window on every layer
+    "phi3": ("Phi3", dict(partial_rotary_factor=0.5, sliding_window=26)),
 }
+WINDOWED = ("mistral-window", "qwen2-window")
 # A chat template in Llama 3.1's manner, using every helper transformers gives templates.
 CHAT_TEMPLATE = """{{- bos_token }}
 {%- set date = strftime_now("%d %b %Y") %}
@@ -58,7 +75,7 @@ def hf_config(family: str):
 
     prefix, overrides = FAMILIES[family]
     config = getattr(transformers, f"{prefix}Config")(**{**COMMON, **overrides})
-    config.architectures = [f"{prefix}ForCausalLM"]
+    config.architectures = [f"{prefix.removesuffix('Text')}ForCausalLM"]
     return config
 
 
@@ -164,6 +181,8 @@ def test_rope_frequencies_are_transformers_bits():
     for family in FAMILIES:
         config = hf_config(family)
         rope = config.rope_parameters
+        if "rope_type" not in rope:  # Gemma 3's per layer type: test_gemma3_rope_from_both_config_forms
+            continue
         spec = ModelSpec.from_hf_config(config.to_dict())
         assert spec.rope_type == rope["rope_type"]
         if rope["rope_type"] == "default":
@@ -197,8 +216,8 @@ def _spec(prefix: str, **overrides) -> ModelSpec:
 
 def test_sliding_windows_as_transformers_applies_them():
     """Qwen2/Qwen3 slide only with use_sliding_window, and only the layers from max_window_layers
-    (or as layer_types says); Mistral slides every layer; no slide, no cap. Where layers slide, a
-    max_seq_len beyond the window is refused (the cache is not windowed yet), within it exact."""
+    (or as layer_types says); Mistral slides every layer; a window caps nothing: the engine's
+    max_seq_len goes past it (the mask applies it)."""
     for prefix in ("Qwen2", "Qwen3"):
         off = _spec(prefix, sliding_window=24, use_sliding_window=False, max_window_layers=0)
         assert (off.sliding_window, off.max_positions) == (None, 256)
@@ -219,33 +238,55 @@ def test_sliding_windows_as_transformers_applies_them():
         return Manifest(model=spec, kv_layout="inplace", kv_dtype="fp32", max_seq_len=max_seq_len,
                         tokenizer={}, source={}, versions={})
 
-    assert manifest(off, 256).max_seq_len == 256
-    assert manifest(on, 24).max_seq_len == 24
-    with pytest.raises(ManifestError, match="1 of 2 layers.*sliding window of 24 tokens.*windowed KV caches are not "
-                                            "supported yet.*--max-seq-len 24 or less"):
-        manifest(on, 25)
+    assert manifest(off, 256).max_seq_len == 256 and manifest(on, 256).max_seq_len == 256
     round_trip = manifest(_spec("Mistral", sliding_window=64), 64)
     assert Manifest(**{**round_trip.__dict__, "model": ModelSpec(**json.loads(json.dumps(
         round_trip.to_dict()["model"])))}) == round_trip  # tuples come back from the manifest's JSON lists
 
 
-@pytest.mark.parametrize("arch", ["Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"])
-def test_later_families_stay_refused(arch):
-    with pytest.raises(ManifestError, match=f"unsupported architecture '{arch}'; supported: .*Qwen3ForCausalLM"):
-        ModelSpec.from_hf_config({**COMMON, "architectures": [arch]})
+def test_later_families_stay_refused():
+    with pytest.raises(ManifestError, match="unsupported rope scaling 'longrope' for Phi3ForCausalLM.*Phi-3"):
+        ModelSpec.from_hf_config({**COMMON, "architectures": ["Phi3ForCausalLM"], "rope_scaling": {
+            "type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}})
+    with pytest.raises(ManifestError, match="partial_rotary_factor .* Phi3ForCausalLM only"):
+        ModelSpec.from_hf_config({**COMMON, "architectures": ["LlamaForCausalLM"], "partial_rotary_factor": 0.5})
+    with pytest.raises(ManifestError, match="Gemma3ForConditionalGeneration .*vision.*Gemma3ForCausalLM"):
+        ModelSpec.from_hf_config({**COMMON, "architectures": ["Gemma3ForConditionalGeneration"]})
 
 
-def test_windowed_export_is_refused_before_tracing(tmp_path, checkpoints):
-    from tests.conftest import run_cli
+def test_gemma_config_facts():
+    """Gemma 2 slides every other layer and Gemma 3 five of six unless layer_types says otherwise;
+    Gemma 3's RoPE reads the same from 5.24's per-layer-type rope_parameters and from rope_theta /
+    rope_scaling / rope_local_base_freq; another activation is refused."""
+    gemma2 = _spec("Gemma2", num_hidden_layers=4, sliding_window=22)
+    assert gemma2.sliding_layers == (0, 2) and gemma2.attention_softcap == 50.0 and gemma2.logit_softcap == 30.0
+    assert gemma2.attention_scale == 256 ** -0.5 and gemma2.embedding_multiplier == 64 ** 0.5
+    gemma3 = _spec("Gemma3", num_hidden_layers=7, sliding_window=23)
+    assert gemma3.sliding_layers == (0, 1, 2, 3, 4, 6) and gemma3.qk_norm and gemma3.logit_softcap is None
+    new = hf_config("gemma3").to_dict()
+    old = {k: v for k, v in new.items() if k != "rope_parameters"}
+    old.update(rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    assert ModelSpec.from_hf_config(old) == ModelSpec.from_hf_config(new)
+    spec = ModelSpec.from_hf_config(new)
+    assert (spec.rope_theta, spec.local_rope_theta, spec.rope_scaling) == (1e6, 1e4, {"rope_type": "linear",
+                                                                                      "factor": 2.0})
+    with pytest.raises(ManifestError, match="only the gelu_pytorch_tanh MLP"):
+        _spec("Gemma2", hidden_activation="relu")
 
-    directory = tmp_path / "qwen2-windowed"
-    shutil.copytree(checkpoints["qwen2-yarn"][0], directory)
-    config = json.loads((directory / "config.json").read_text())
-    config.update(use_sliding_window=True, sliding_window=24, max_window_layers=1, layer_types=None)
-    (directory / "config.json").write_text(json.dumps(config))
-    result = run_cli("export", "--model", str(directory), "--out", str(tmp_path / "o"), "--max-seq-len", "100")
-    assert result.returncode == 2 and "sliding window of 24 tokens" in result.stderr, result.stderr
-    assert "Traceback" not in result.stderr and not (tmp_path / "o").exists()
+
+def test_windowed_checkpoints_differ_without_their_window(checkpoints, tmp_path):
+    """The window changes what transformers generates here, so the parity tests below see it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    for family in WINDOWED:
+        directory, prompt, tokens, _ = checkpoints[family]
+        unwindowed = shutil.copytree(directory, tmp_path / family)
+        config = json.loads((unwindowed / "config.json").read_text())
+        config.update(sliding_window=4096, use_sliding_window=False, layer_types=None)  # past every position
+        (unwindowed / "config.json").write_text(json.dumps(config))
+        torch.manual_seed(0)
+        assert greedy_reference(AutoModelForCausalLM.from_pretrained(unwindowed).eval(), prompt)[0] != tokens
 
 
 # ---------------------------------------------------------------- parity with transformers' generate()
@@ -290,6 +331,25 @@ def test_export_generates_what_transformers_generates(family_exports, checkpoint
     assert max(abs(a - b) for a, b in zip(got[1], logprobs)) <= LOGPROB_TOLERANCE
 
 
+def test_concat_windows_count_positions_across_a_shorter_rows_gap(family_exports, checkpoints):
+    """Concat rows step together, so a shorter prompt's row has padding columns between its prompt
+    and its generated tokens: its window counts token positions (attention_mask's running count),
+    not columns, and the row generates what it generates alone."""
+    from runtime.greedy import Greedy
+    from runtime.runners import open_runner
+
+    _, prompt, tokens, _ = checkpoints["mistral-window"]
+    directory, short = family_exports("mistral-window", "concat"), prompt[:PROMPT_TOKENS - 9]
+    run = Greedy(open_runner(directory, threads=1), [prompt, short], NEW_TOKENS)
+    run.prefill(every_position=False)
+    together = [run.next_tokens.tolist()]
+    for _ in range(NEW_TOKENS - 1):
+        run.step()
+        together.append(run.next_tokens.tolist())
+    assert [row[0] for row in together] == tokens
+    assert [row[1] for row in together] == runner_greedy(directory, short)[0]
+
+
 def test_qwen3_norms_stay_standard_ops(family_exports):
     """q/k norms are RMSNormalization nodes (two per layer beside the two layer norms and the
     final one), never ORT's CUDA-only fused q/k norm; SmolLM3's NoPE layer has no RotaryEmbedding."""
@@ -302,6 +362,30 @@ def test_qwen3_norms_stay_standard_ops(family_exports):
     assert {n.domain for n in qwen3} <= {"", "ai.onnx"}
     smol = [n.op_type for n in all_nodes(onnx.load(str(family_exports("smollm3") / "model.onnx")).graph)]
     assert smol.count("RotaryEmbedding") == 2  # layer 0's query and key
+
+
+def test_gemma_and_phi3_graphs_stay_standard_ops(family_exports):
+    """Gemma's (1 + weight) norms stay one RMSNormalization each (four per layer, Gemma 3's q/k norms
+    beside them), its GLU one Gelu per layer, its attention softcap Attention's own attribute at opset
+    24; Phi-3's partial RoPE is RotaryEmbedding's rotary_embedding_dim."""
+    import onnx
+
+    from kvforge.onnx_graphs import all_nodes
+
+    def graph(family):
+        model = onnx.load(str(family_exports(family) / "model.onnx"))
+        nodes = list(all_nodes(model.graph))
+        assert {n.domain for n in nodes} <= {"", "ai.onnx"} and model.opset_import[0].version == 24
+        return nodes
+
+    gemma2, gemma3 = graph("gemma2"), graph("gemma3")
+    assert [n.op_type for n in gemma2].count("RMSNormalization") == 4 * 2 + 1
+    assert [n.op_type for n in gemma3].count("RMSNormalization") == (4 + 2) * 2 + 1
+    assert [n.op_type for n in gemma2].count("Gelu") == 2
+    attentions = [n for n in gemma2 if n.op_type == "Attention"]
+    assert attentions and all(any(a.name == "softcap" and a.f == 2.0 for a in n.attribute) for n in attentions)
+    ropes = [n for n in graph("phi3") if n.op_type == "RotaryEmbedding"]
+    assert ropes and all(any(a.name == "rotary_embedding_dim" and a.i == 8 for a in n.attribute) for n in ropes)
 
 
 def test_shards_are_read_through_the_index(checkpoints):
