@@ -1,4 +1,4 @@
-"""The KV-aware router (frontend/router.py) in front of two real replicas (launchers), as a child
+"""The KV-aware router (frontend/router/) in front of two real replicas (launchers), as a child
 process, with each routing policy; a fake replica (a small HTTP server) where a failure must
 happen on cue.
 
