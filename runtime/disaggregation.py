@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -218,10 +219,7 @@ class PrefillWorker:
         self.closed = True
         self._lost()
         self.supervisor.join(5)
+        # rmtree, not unlink-then-rmdir: a hand-off the killed worker was still writing may land in between
         if self.handoff is not None:
-            for path in self.handoff.dir.glob("*"):
-                path.unlink(missing_ok=True)
-            self.handoff.dir.rmdir()
-        for path in self.private.glob("*"):
-            path.unlink(missing_ok=True)
-        self.private.rmdir()
+            shutil.rmtree(self.handoff.dir, ignore_errors=True)
+        shutil.rmtree(self.private, ignore_errors=True)

@@ -234,10 +234,12 @@ def test_disaggregated_serving_through_triton(exports, tmp_path):
         handoff = handoff_dir_under(server.process.pid)
     finally:
         server.stop()
-    # the model's engine is not the test's: its hand-off folder is in /dev/shm, not the run's (and a
-    # stopped server has been seen to leave it: removed here so the run leaves nothing behind)
-    shutil.rmtree(handoff, ignore_errors=True)
     assert disaggregated == aggregated
+    # the model's engine is not the test's: its hand-off folder is in /dev/shm, not the run's; a
+    # stopped server removes it (it once left it behind)
+    left = handoff.exists()
+    shutil.rmtree(handoff, ignore_errors=True)
+    assert not left, f"the stopped server left its hand-off folder {handoff}"
 
 
 def handoff_dir_under(ancestor: int) -> Path:
