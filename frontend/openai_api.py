@@ -31,7 +31,7 @@ import tritonclient.grpc.aio as grpcclient
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 from tritonclient.utils import InferenceServerException
 
 from engines.repository import engine_dir_of
@@ -47,6 +47,11 @@ from runtime.tokenizer import Tokenizer
 MAX_CHOICES = 8  # n per request: each choice occupies an engine slot
 MAX_PROMPTS = 8  # prompts in one /v1/completions request
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+MAX_TOOLS = 128  # OpenAI's own limit on tools per request
+MAX_DOCUMENTS = 64
+MAX_TEMPLATE_KWARGS = 32
+# the template's own variables (frontend/chat_template.py passes them): a kwarg may not replace them
+TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token"})
 
 
 class APIError(Exception):
@@ -112,10 +117,40 @@ class TextPart(Body):
     text: str
 
 
+class Function(Body):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, JsonValue] | None = None  # a JSON Schema object, passed to the template as sent
+
+
+class Tool(Body):
+    type: Literal["function"]
+    function: Function
+
+
+class FunctionCall(Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it; the template decides how to write it
+
+
+class ToolCall(Body):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class Message(Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # the call a tool message answers
+
+    def template_dict(self) -> dict:
+        """The message as apply_chat_template takes it: text content, other fields only when sent."""
+        text = "".join(part.text for part in self.content) if isinstance(self.content, list) else (self.content or "")
+        return {"role": self.role, "content": text,
+                **self.model_dump(include={"name", "tool_calls", "tool_call_id"}, exclude_none=True)}
 
 
 class ResponseFormat(Body):
@@ -130,6 +165,12 @@ class ChatRequest(Sampling):
     top_logprobs: int | None = Field(None, ge=0)
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
+    # what reaches the chat template, as apply_chat_template passes it; the answer is free text
+    # (tool calls are not parsed out of it)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: str | dict | None = None
+    documents: list[dict[str, JsonValue]] | None = Field(None, max_length=MAX_DOCUMENTS)
+    chat_template_kwargs: dict[str, JsonValue] | None = Field(None, max_length=MAX_TEMPLATE_KWARGS)
 
 
 # ---------------------------------------------------------------------- one choice = one llm stream
@@ -240,13 +281,21 @@ class OpenAIServer:
         return max(1, self.manifest.max_seq_len - length)
 
     def chat_prompt(self, body: ChatRequest) -> str:
-        messages = [{"role": m.role, "content": "".join(part.text for part in m.content)
-                     if isinstance(m.content, list) else (m.content or ""), **({"name": m.name} if m.name else {})}
-                    for m in body.messages]
-        try:
-            return self.chat_template.render(messages)
-        except ChatTemplateError as e:
-            raise APIError(400, str(e), param="messages") from None
+        return render_chat(self.chat_template, body)
+
+
+def render_chat(template: ChatTemplate, body: ChatRequest) -> str:
+    """A chat body's prompt: its messages, tools, documents and chat_template_kwargs passed to the
+    template as apply_chat_template passes them."""
+    refuse_unsupported_chat(body)
+    # tool_choice "none": the template gets no tools, so the prompt offers the model none to call
+    tools = None if body.tools is None or body.tool_choice == "none" \
+        else [tool.model_dump(exclude_none=True) for tool in body.tools]
+    try:
+        return template.render([m.template_dict() for m in body.messages], tools=tools, documents=body.documents,
+                               **(body.chat_template_kwargs or {}))
+    except ChatTemplateError as e:
+        raise APIError(400, str(e), param="messages") from None
 
 
 def refuse_unsupported(body: Sampling) -> None:
@@ -268,6 +317,17 @@ def refuse_unsupported(body: Sampling) -> None:
             raise APIError(400, "suffix (insertion) is not supported", param="suffix")
         if body.best_of not in (None, body.n):
             raise APIError(400, "best_of must equal n: kvforge returns every sequence it generates", param="best_of")
+
+
+def refuse_unsupported_chat(body: ChatRequest) -> None:
+    """The chat fields kvforge reads only in part (free-text decoding: nothing forces a tool call)."""
+    if body.tool_choice not in (None, "auto", "none"):
+        raise APIError(400, f"tool_choice {json.dumps(body.tool_choice)} is not supported: kvforge decodes free text "
+                            "and cannot force a tool call; send \"auto\" or \"none\"", param="tool_choice")
+    colliding = sorted(TEMPLATE_VARIABLES & set(body.chat_template_kwargs or {}))
+    if colliding:
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(colliding)}: the chat template's own "
+                            "variables come from the request", param="chat_template_kwargs")
 
 
 def usage(choices: list[Choice]) -> dict:

@@ -194,7 +194,7 @@ def test_llm_errors_get_their_kinds_status():
 
 def test_bad_chat_requests_get_openai_shaped_errors(client):
     for call, param in [(dict(messages=[]), "messages"),
-                        (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+                        (dict(tools=[{"type": "function", "function": {"description": "no name"}}]), "tools.0.function.name"),
                         (dict(messages=[{"role": "wizard", "content": "x"}]), "messages.0.role")]:
         with pytest.raises(openai.BadRequestError) as error:
             client.chat.completions.create(**{"model": "llm", "messages": [{"role": "user", "content": "x"}],
