@@ -15,6 +15,9 @@ OPENAI_API_KEY = "KVFORGE_OPENAI_API_KEY"  # the bearer key the OpenAI-compatibl
 ACCESS_LOG = "KVFORGE_ACCESS_LOG"
 PD_AUTHKEY = "KVFORGE_PD_AUTHKEY"  # the prefill worker's connection key, from the engine that starts it
 TOKEN_TRACE = "KVFORGE_TOKEN_TRACE"  # 1: access-log lines carry each response's engine and send times
+# the launcher's scratch folder (in /dev/shm where there is one): the engine's hand-offs and its worker's
+# socket go there, and the launcher removes it once the server stopped, however the model's process ended
+RUN_FOLDER = "KVFORGE_RUN_FOLDER"
 CHECKPOINTS = "KVFORGE_CHECKPOINTS"  # where presets are materialized (default: build/checkpoints)
 
 

@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import os
 import re
+import shutil
 import sys
 import tempfile
 import urllib.parse
@@ -35,6 +36,7 @@ from kvforge.net import CONTROL_KEY_HEADER, is_loopback, port_in_use
 from launcher.keys import DEFAULT_KEY_FILE, control_key
 from launcher.supervisor import Supervisor
 from launcher.tritonserver import READY_TIMEOUT, ServerError, TritonProcess, free_ports, server_env
+from runtime.kv.tiers.handoff import DEFAULT_ROOT as SHARED_MEMORY
 
 
 # the query options a KV Redis URL may carry (value sets; empty: any value, e.g. a CA file's path)
@@ -171,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(str(e)) from None
         repo = args.repo.resolve()
         log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvforge-logs-"))
-        model_env = model_environment(settings, key, log_dir / "kvforge.jsonl")
+        run_folder = Path(tempfile.mkdtemp(prefix="kvforge-run-", dir=SHARED_MEMORY if SHARED_MEMORY.is_dir() else None))
+        model_env = {**model_environment(settings, key, log_dir / "kvforge.jsonl"), env.RUN_FOLDER: str(run_folder)}
         own = (args.http_port, args.grpc_port, args.metrics_port, args.openai_port)
         triton = TritonProcess(repo, args.host, args.triton_http_port or free_ports(1, exclude=own)[0], args.grpc_port,
                                args.metrics_port, key, log_dir / "triton.log", server_env(model_env))
@@ -193,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         finally:
             supervisor.stop()
+            shutil.rmtree(run_folder, ignore_errors=True)
 
     return fail_cleanly(run)
 

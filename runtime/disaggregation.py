@@ -90,8 +90,9 @@ class PrefillWorker:
         self.engine_dir, self.config, self.on_done = Path(engine_dir), config, on_done
         manifest = Manifest.load(engine_dir)
         self.codec = BlockCodec(kv_block_spec(manifest), cache_namespace(manifest))
-        self.private = Path(tempfile.mkdtemp(prefix="kvforge-pd-"))  # 0700: the socket lives here
-        root = DEFAULT_ROOT if DEFAULT_ROOT.is_dir() else self.private
+        run_folder = os.environ.get(env.RUN_FOLDER) or None
+        self.private = Path(tempfile.mkdtemp(prefix="kvforge-pd-", dir=run_folder))  # 0700: the socket lives here
+        root = Path(run_folder) if run_folder else DEFAULT_ROOT if DEFAULT_ROOT.is_dir() else self.private
         self.handoff = HandoffTier(Path(tempfile.mkdtemp(prefix="kvforge-pd-", dir=root)), self.codec) \
             if config.transport == "shm" else None
         self.authkey = secrets.token_bytes(32)

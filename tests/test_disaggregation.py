@@ -235,8 +235,8 @@ def test_disaggregated_serving_through_triton(exports, tmp_path):
     finally:
         server.stop()
     assert disaggregated == aggregated
-    # the model's engine is not the test's: its hand-off folder is in /dev/shm, not the run's; a
-    # stopped server removes it (it once left it behind)
+    # the model's engine is not the test's: its hand-off folder is in the launcher's run folder,
+    # which a stopped launcher removes whatever became of the model's process
     left = handoff.exists()
     shutil.rmtree(handoff, ignore_errors=True)
     assert not left, f"the stopped server left its hand-off folder {handoff}"
