@@ -1,10 +1,12 @@
 """Section stream_gaps (issue 37): does a stream keep its pace while long prompts arrive, and where
 does a gap go when it does not? Through the real server and the OpenAI API, as a user meets it.
 
-One stream decodes `stream_tokens` tokens (OpenAI completions, streamed, greedy, min_tokens so it
-never stops early); after its `warm_tokens`-th token, `long_count` fresh `long_tokens`-token
-prompts arrive one after the other (`arrival_gap_s` apart). Per round: the stream's inter-token
-latency alone (before the arrivals: p50), while the prompts prefill (p50, p99), the largest gap
+One stream decodes (OpenAI completions, streamed, greedy, min_tokens so it never stops early);
+after its `warm_tokens`-th token, `long_count` fresh `long_tokens`-token prompts arrive one after
+the other (`arrival_gap_s` apart); the client closes the stream `TAIL_EVENTS` events after the
+last prompt's first token, or it ends at `stream_tokens` (so however slowly the client's threads
+run, the stream is still decoding when the prompts arrive). Per round: the stream's inter-token
+latency alone (before the first prompt was sent: p50), while the prompts prefill (p50, p99), the largest gap
 of the whole stream, and the prompts' TTFT over their TTFT alone (the same prompts' shape without
 the stream, measured first on the same server). Every configuration runs on a fresh server with
 $KVFORGE_TOKEN_TRACE=1: each response's engine and send times (triton_models/llm_stream.py) join
@@ -30,11 +32,12 @@ from runtime.scheduler import ITL_TARGET_DECODE_STEPS, PREFILL_BUDGET
 # the issue's targets, as multiples of the stream's ITL p50 alone
 AGGREGATED = {"p99": 3.0, "max_gap": 5.0, "ttft": 1.6}
 DISAGGREGATED = {"p99": 2.0, "max_gap": 3.0}
+TAIL_EVENTS = 4  # the stream's events after the prefill: the gap that straddles its end is measured
 
 
 def shape(quick: bool) -> dict:
     if quick:
-        return dict(model=None, rounds=2, stream_tokens=40, warm_tokens=12, long_tokens=96, long_count=2,
+        return dict(model=None, rounds=2, stream_tokens=1000, warm_tokens=12, long_tokens=96, long_count=2,
                     arrival_gap_s=0.05, configurations=configurations((ITL_TARGET_DECODE_STEPS,), disaggregated=False))
     return dict(model="small-llama", rounds=10, stream_tokens=160, warm_tokens=16, long_tokens=2000, long_count=2,
                 arrival_gap_s=0.05, configurations=configurations((1.15, 1.3, 1.5, 2.0, 3.0), disaggregated=True))
@@ -62,6 +65,7 @@ class Completion(threading.Thread):
         super().__init__(daemon=True)
         self.url, self.prompt, self.tokens, self.started, self.at = url, prompt, tokens, started, at
         self.sent, self.arrivals, self.id, self.error = 0.0, [], None, None
+        self.stop_at: int | None = None  # the client closes the stream at this many events (the server cancels it)
 
     def run(self) -> None:
         import httpx
@@ -82,6 +86,8 @@ class Completion(threading.Thread):
                     self.id = event["id"]
                     if self.started is not None and len(self.arrivals) == self.at:
                         self.started.set()
+                    if self.stop_at is not None and len(self.arrivals) >= self.stop_at:
+                        break
         except Exception as e:  # noqa: BLE001 - reported with the results, never hidden
             self.error = f"{type(e).__name__}: {e}"
         finally:
@@ -104,14 +110,19 @@ def arrive(url: str, prompts: list[str], gap: float) -> list[Completion]:
     return longs
 
 
-def traces(access_log) -> dict[str, list]:
-    """Triton request id -> [engine time, send time, tokens] per response, from the access log."""
-    out = {}
-    for line in access_log.read_text().splitlines():
-        record = json.loads(line)
-        if "trace" in record:
-            out[record["request_id"]] = record["trace"]
-    return out
+def traces(access_log, ids: list[str], timeout: float = 60.0) -> dict[str, list]:
+    """Triton request id -> [engine time, send time, tokens] per response, from the access log,
+    once the log holds every id (a closed stream's line is written when the engine has stopped it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        out = {}
+        for line in access_log.read_text().splitlines() if access_log.is_file() else []:
+            record = json.loads(line)
+            if "trace" in record:
+                out[record["request_id"]] = record["trace"]
+        if all(i in out for i in ids) or time.monotonic() > deadline:
+            return out
+        time.sleep(0.1)
 
 
 PARTS = ("engine_ms", "queued_ms", "delivery_ms")
@@ -122,7 +133,7 @@ def where(stream: Completion, trace: list | None, gap_index: int) -> dict:
     long it waited in the sender's queue and how much later the client had it from the start of
     its send (the send's round trip to the Triton server, Triton's gRPC, the front, the socket;
     a client may see a response before the send returns, so the send's own end is no boundary)."""
-    if trace is None or len(trace) != len(stream.arrivals):
+    if trace is None or len(trace) < len(stream.arrivals):  # a closed stream's trace goes on past the client's
         return dict.fromkeys(PARTS)
     engine0, engine1, sending = trace[gap_index - 1][0], *trace[gap_index][:2]
     return dict(zip(PARTS, (round(1e3 * x, 2) for x in (engine1 - engine0, sending - engine1,
@@ -134,13 +145,13 @@ def one_round(url: str, stream_prompt: str, long_prompts: list[str], s: dict) ->
     stream = Completion(url, stream_prompt, s["stream_tokens"], warm, s["warm_tokens"])
     stream.start()
     warm.wait()
-    arrived = time.perf_counter()
     longs = arrive(url, long_prompts, s["arrival_gap_s"])
+    stream.stop_at = len(stream.arrivals) + TAIL_EVENTS
     stream.join()
     errors = [c.error for c in [stream, *longs] if c.error]
     if errors:
         raise RuntimeError(f"stream_gaps: a request failed: {errors[0]}")
-    stream.arrived, stream.longs = arrived, longs
+    stream.arrived, stream.longs = min(c.sent for c in longs), longs
     return stream
 
 
@@ -184,9 +195,7 @@ def measured_configuration(repo, name: str, args: list[str], prompts: dict, s: d
             for r in range(s["rounds"]):
                 say(f"stream_gaps: {name}, round {r + 1}/{s['rounds']}")
                 streams.append(one_round(url, prompts["streams"][r], prompts["longs"][r], s))
-            warm.run()  # a request after the last round: its access-log line is written by now
-            # (the sender writes a request's line after its last send, which a client may see first)
-            logged = traces(server.log_dir / "kvforge.jsonl")
+            logged = traces(server.log_dir / "kvforge.jsonl", [f"{stream.id}-0" for stream in streams])
             rounds = [measure(stream, alone, logged.get(f"{stream.id}-0")) for stream in streams]
         except RuntimeError as e:
             raise RuntimeError(f"{e} ({name}); the server's log tail:\n{server.log_tail(40)}") from None
@@ -256,8 +265,8 @@ def markdown(results: dict) -> list[str]:
     s = section["shape"]
     configs = section["configurations"]
     return ["## Stream gaps while long prompts arrive (issue 37)", "",
-            f"`{section['model']}`, OpenAI completions streamed through the front; one stream of {s['stream_tokens']} "
-            f"tokens, {s['long_count']} fresh {s['long_tokens']}-token prompts arriving one after the other after its "
+            f"`{section['model']}`, OpenAI completions streamed through the front; one stream of up to {s['stream_tokens']} "
+            f"tokens (closed {TAIL_EVENTS} events after the prompts' first tokens), {s['long_count']} fresh {s['long_tokens']}-token prompts arriving one after the other after its "
             f"{s['warm_tokens']}th token; {s['rounds']} rounds per configuration, median / worst round.", "",
             *table(["configuration", "ITL p50 alone ms", "p50 during ms", "p99 during ms", "p99 / alone",
                     "max gap ms", "max gap / alone", "TTFT / alone"],
