@@ -267,6 +267,7 @@ class LLMEngine:
         with self._cond:
             s = self.scheduler
             return dict(running=len(s.running), waiting=len(s.waiting), loading=s.loading, slots=self.limits.slots,
+                        threads=self.runner.threads,
                         step_budget=s.step_budget(), decode_step_seconds=s.costs.decode_seconds,
                         prompt_token_seconds=s.costs.prompt_token_seconds,
                         prefix_cache=self.kv.pool is not None, **self.kv.stats(), **s.counters, **self.pd_counters,

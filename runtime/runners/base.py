@@ -59,6 +59,8 @@ class Batch:
 class Runner(ABC):
     """allocate -> step* (with move/resize/read_blocks/write_blocks between steps)."""
 
+    threads = 0  # the CPU threads a step computes on, as its session reports them (0: none of its own, a GPU's)
+
     def __init__(self, manifest: Manifest):
         self.manifest = manifest
         self.block = kv_block_spec(manifest)

@@ -58,6 +58,8 @@ class _OrtRunner(Runner):
                                                 providers=["CPUExecutionProvider"])
         except Exception as e:  # ORT raises its own exception types for unreadable models
             raise ManifestError(f"cannot load engine {onnx_path}: {str(e).splitlines()[0][:300]}") from None
+        # what the session runs, not what was asked: the served engine reports it (kvforge_engine_threads)
+        self.threads = self.session.get_session_options().intra_op_num_threads
 
     def _buffer(self, past_name: str, rows: int, length: int) -> np.ndarray:
         """A zeroed buffer [rows, heads, length, width] for a cache tensor."""
