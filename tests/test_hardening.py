@@ -33,11 +33,14 @@ from clients.api import GenerationError, LLMClient
 from launcher.harness import TritonServer, dying_with_parent, free_ports
 from launcher.tritonserver import STUB_NAME
 from tests.conftest import ROOT, SERVING_CONTEXT
+from tests.processes import descendants, is_llm_stub, process_start
 
 PROMPT = "def fibonacci(n):"
 SLOTS, MAX_WAITING = 4, 1
 LONG = 2000  # tokens: a request that outlives what a test does to it (with ignore_eos)
 HANG_BOUND = 60.0  # no wait in this file is longer; reaching it means something hangs
+# the shared server's engine threads: not the default (every core), so the flag's effect shows
+DECODE_THREADS = 1 if (os.cpu_count() or 1) > 1 else 2
 
 
 def repository(exports, into: Path, max_waiting: int = MAX_WAITING) -> Path:
@@ -65,7 +68,7 @@ def repo(exports, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def service(repo, tmp_path_factory):
-    server = launch(repo, log_dir=tmp_path_factory.mktemp("hardening_logs"))
+    server = launch(repo, "--decode-threads", str(DECODE_THREADS), log_dir=tmp_path_factory.mktemp("hardening_logs"))
     yield server
     server.stop()
 
@@ -395,6 +398,46 @@ def test_http_disconnect_through_the_front_frees_the_slot(service):
     assert metric(service, "kvforge_generated_tokens_total") > generated  # it was decoding when the client left
 
 
+def test_a_request_cancelled_while_it_waits_for_a_slot_is_dropped_unserved(service):
+    """A request with no output yet is asked whether its client left by the sender's timer
+    (docs/deploying.md#cancellation), not only as its outputs go out: one waiting behind four LONG
+    streams, left by its gRPC client, ends cancelled with no token while the streams still hold
+    every slot."""
+    from tests.test_clients import as_input
+
+    cancelled = metric(service, "kvforge_cancelled_requests_total")
+    streams = Streams(service, grpc=SLOTS, http=0)  # every slot decoding a LONG request
+    try:
+        client = grpcclient.InferenceServerClient(service.grpc_url)
+        client.start_stream(lambda result, error: None)
+        client.async_stream_infer("llm", [as_input("text_input", PROMPT), as_input("max_tokens", np.int32(4)),
+                                          as_input("stream", True)], request_id="left-while-waiting")
+        wait_until(lambda: metric(service, "kvforge_waiting_sequences") == 1, "the request waiting for a slot")
+        client.stop_stream(cancel_requests=True)
+        client.close()
+        wait_until(lambda: metric(service, "kvforge_cancelled_requests_total") == cancelled + 1
+                   and metric(service, "kvforge_waiting_sequences") == 0, "the waiting request dropped")
+        assert metric(service, "kvforge_running_sequences") == SLOTS and not streams.results  # it never ran
+    finally:
+        streams.stop.set()
+        results = streams.join()
+    assert all(r == "left" for r, _ in results), results
+
+    def logged():
+        return [e for e in events(service) if e.get("request_id") == "left-while-waiting"]
+
+    wait_until(logged, "its access-log line")
+    (line,) = logged()
+    assert line["finish_reason"] == "cancelled" and line["output_tokens"] == 0 and line["ttft_ms"] is None, line
+
+
+def test_decode_threads_reach_the_engines_session(service):
+    """--decode-threads (the launcher hands it to the llm model as $KVFORGE_THREADS) is what the
+    served engine's ONNX Runtime session runs, not its default of every core."""
+    wait_until(lambda: metric(service, "kvforge_engine_threads") > 0, "the engine's metrics published")
+    assert metric(service, "kvforge_engine_threads") == DECODE_THREADS
+
+
 # ---------------------------------------------------------------- 9. access log, histograms
 
 def test_one_request_id_from_the_front_to_the_engine_and_no_prompt_in_the_log(service):
@@ -433,10 +476,8 @@ def stub_pids(server: TritonServer) -> list[int]:
 
 
 def llm_stub(server: TritonServer) -> int:
-    """The `llm` model's stub: its command line names its instance, llm_<group>_<n> (not
-    tensorrt_llm_bls_0_0 nor vllm_model_0_0)."""
     for pid in stub_pids(server):
-        if any(re.fullmatch(rb"llm_\d+_\d+", arg) for arg in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")):
+        if is_llm_stub(pid):
             return pid
     raise AssertionError("no llm stub")
 
@@ -500,16 +541,6 @@ def test_a_killed_backend_or_server_is_restarted_and_streams_end(service, victim
         assert re.fullmatch(r"stub\(s\) \['llm_\d+_\d+'\] gone", new[0]["detail"]), new[0]
 
 
-def process_start(pid: int) -> str | None:
-    """The process's start time (with its pid, who it is), or None once it is gone or a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()
-    return None if fields[0] in "ZX" else fields[19]
-
-
 @pytest.mark.parametrize("death", ["tritonserver killed, left unreaped", "launcher's process group killed"])
 def test_stubs_exit_once_their_server_is_gone(repo, tmp_path, death):
     """No stub outlives its server, however it dies: as a zombie nobody reaps (the stub's own
@@ -560,6 +591,35 @@ def test_sigterm_drains_readiness_first_and_in_flight_requests_finish(draining):
         assert len(tokens) == LONG  # the in-flight request finished
         assert server.process.wait(HANG_BOUND) == 0
     finally:
+        server.stop()
+
+
+def test_a_drain_past_its_bound_is_cut_off_and_leaves_no_process(repo, tmp_path):
+    """SIGTERM while a request cannot finish (the llm stub stopped after its first token, as a hung
+    engine would be): the launcher drains it for --drain-seconds, then stops anyway (Triton's own
+    exit timeout ends the model), the stream ends without its end, and no process of the server is left."""
+    server, stub = launch(repo, "--drain-seconds", "1", log_dir=tmp_path), None
+    try:
+        processes, stub = descendants(server.process.pid), llm_stub(server)
+        connection = http.client.HTTPConnection(*server.http_url.split(":"), timeout=HANG_BOUND)
+        connection.request("POST", "/v2/models/llm/generate_stream",
+                           json.dumps({"text_input": PROMPT, "max_tokens": LONG, "ignore_eos": True, "stream": True}))
+        response = connection.getresponse()
+        assert response.status == 200 and response.readline().startswith(b"data:")  # in flight
+        os.kill(stub, signal.SIGSTOP)
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(HANG_BOUND) == 0
+        try:
+            rest = response.read()  # what was sent before the cut
+        except http.client.IncompleteRead as e:
+            rest = e.partial
+        received = [json.loads(line[5:]) for line in rest.splitlines() if line.startswith(b"data:")]
+        assert not any(e.get("finish_reason") for e in received), received[-1:]  # its end never came
+        wait_until(lambda: all(process_start(pid) != started for pid, started in processes.items()),
+                   "every process of the server gone, the stopped stub included")
+    finally:
+        if stub is not None and process_start(stub) is not None:
+            os.kill(stub, signal.SIGCONT)  # a failing run leaves none stopped
         server.stop()
 
 
