@@ -525,6 +525,33 @@ def test_a_full_write_queue_drops_and_counts_and_a_stop_drains_the_rest(codec, r
     assert redis.Redis.from_url(redis_server.url).dbsize() == 1 + 4
 
 
+def test_a_stop_whose_drain_cannot_finish_is_cut_off(codec, redis_server, monkeypatch):
+    """The stop's drain is bounded (DRAIN_SECONDS, inside Triton's exit timeout): with the writer
+    stalled on a stopped Redis, inside a command that would wait far longer than this test's bound,
+    and blocks queued behind it, close() returns all the same, Redis still stopped."""
+    from runtime.kv.tiers.lower import LowerTiers
+
+    monkeypatch.setattr(redis_tier, "REDIS_TIMEOUT_SECONDS", 10 * POLL_TIMEOUT)  # no timeout ends the stall first
+    redis_ = RedisTier(redis_server.url, codec)
+    put_many, entered = redis_.put_many, threading.Event()
+
+    def watched(*args, **kwargs):
+        entered.set()
+        put_many(*args, **kwargs)
+
+    redis_.put_many = watched
+    tiers = LowerTiers(codec, [redis_], wake=lambda: None)
+    with Stopped(redis_server):
+        tiers.store([b"w" * 16], one_block(codec))
+        wait_for(entered.is_set, "the writer to take the first block")  # and stall on the stopped Redis
+        for i in range(3):
+            tiers.store([bytes([i]) * 16], one_block(codec, seed=i))
+        closing = threading.Thread(target=tiers.close)  # the default bound, as LLMEngine.close() drains
+        closing.start()
+        closing.join(POLL_TIMEOUT)  # a hang bound: the stalled command alone would outlast it tenfold
+        assert not closing.is_alive(), "close() waits for a drain that cannot finish"
+
+
 # ---------------------------------------------------------------- preemption instead of reservation
 
 @pytest.mark.parametrize("pool_blocks", [None, 2])
