@@ -1,6 +1,7 @@
 """The KV-aware router (frontend/router/) in front of two real replicas (launchers), as a child
 process, with each routing policy; a fake replica (a small HTTP server) where a failure must
-happen on cue.
+happen on cue; and `make fleet`'s command run whole (its replicas on the fixed ports 8010.. and
+the router on 8080, which must be free).
 
 Which replica served a request is read from the router's /metrics (requests per replica), cached
 tokens from the responses: nothing here depends on timing but generous polling bounds.
@@ -9,8 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import re
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -246,9 +250,6 @@ def test_affinity_keeps_a_session_on_one_replica_and_falls_back_to_kv_without_on
     (["--port", "{busy}"], "error: port {busy} on 127.0.0.1 (--port) is in use (another server?); choose another"),
 ])
 def test_bad_router_settings_are_refused_at_start_with_one_line(repo, flags, expected):
-    import os
-    import socket
-
     from kvforge import env
 
     with socket.socket() as busy:  # a port someone else listens on
@@ -282,6 +283,107 @@ def test_the_fleet_checks_the_engine_flags_it_passes_to_every_replica(tmp_path, 
                             cwd=ROOT, capture_output=True, text=True, timeout=WAIT)
     assert result.returncode == 2 and result.stderr.startswith(expected), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+FLEET_KV_HOST_BYTES = 100_000_001  # the RAM pools' total: 50,000,000 bytes each (the odd byte: split by floor)
+FLEET_START = 300.0  # a bound for the fleet's replicas to start one after another, or for its stop
+
+
+def listening(port: int) -> bool:
+    """Whether anything accepts connections on 127.0.0.1:port (what a client sees, not a bind test)."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    except OSError:
+        return False
+    return True
+
+
+def test_make_fleet_gives_each_replica_its_ports_and_share_and_stops_the_router_first(repo, tmp_path):
+    """`make fleet REPLICAS=2` at run time (its command: launcher.fleet with the Makefile's flags, a
+    total RAM pool and a disk tier to split): replica i serves on the default ports + 10*i with
+    cores/2 ONNX Runtime threads, half the pool, its own logs and disk folder, behind the router on
+    8080. SIGTERM stops the router first: it stops listening while both replicas still serve and
+    lets its in-flight request finish; then the replicas stop, and no process of the fleet is left."""
+    from frontend.router.__main__ import DEFAULT_PORT
+    from frontend.router.replicas import metric
+    from kvforge import env
+    from kvforge.engine_config import variable
+    from launcher.fleet import replica_ports
+    from launcher.harness import dying_with_parent
+    from tests.processes import descendants, is_llm_stub, process_start
+
+    logs, disk, output = tmp_path / "logs", tmp_path / "disk", tmp_path / "fleet.log"
+    environment = {k: v for k, v in os.environ.items() if k != variable("threads")}  # the fleet splits the cores
+    environment[env.CONTROL_KEY] = KEY  # not the user's key file
+    command = [sys.executable, "-m", "launcher.fleet", "--replicas", "2", "--repo", str(repo), "--host", "127.0.0.1",
+               "--router-port", str(DEFAULT_PORT), "--policy", "kv", "--log-dir", str(logs), "--prefix-cache", "on",
+               "--kv-host-bytes", str(FLEET_KV_HOST_BYTES), "--kv-disk-dir", str(disk)]
+    with open(output, "wb") as out:  # a killed test run takes the fleet with it, and the fleet its replicas
+        fleet = subprocess.Popen(dying_with_parent(command), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                 env=environment)
+    router, stubs = f"http://127.0.0.1:{DEFAULT_PORT}", []
+
+    def serving() -> bool:
+        assert fleet.poll() is None, output.read_text()
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.get(f"{router}/health", timeout=2).json() == {"ready_replicas": [1, 2]}
+
+    def replica_ready(i: int) -> bool:
+        return httpx.get(f"http://127.0.0.1:{replica_ports(i)['http_port']}/v2/health/ready").status_code == 200
+
+    def replica_metric(i: int, name: str) -> float:
+        return metric(httpx.get(f"http://127.0.0.1:{replica_ports(i)['metrics_port']}/metrics").text, name)
+
+    try:
+        until(serving, "the router serving both replicas", FLEET_START)
+        threads = max(1, (os.cpu_count() or 1) // 2)
+        for i in (1, 2):
+            ports = replica_ports(i)
+            assert ports == dict(http_port=8000 + 10 * i, grpc_port=8001 + 10 * i, metrics_port=8002 + 10 * i,
+                                 openai_port=9000 + 10 * i)
+            assert replica_ready(i) and listening(ports["grpc_port"])
+            assert httpx.get(f"http://127.0.0.1:{ports['openai_port']}/v1/models").json()["data"][0]["id"] == "llm"
+            until(lambda: replica_metric(i, "kvforge_engine_threads") > 0, f"replica {i}'s metrics published")
+            assert replica_metric(i, "kvforge_engine_threads") == threads
+            assert replica_metric(i, "kvforge_kv_host_pool_budget_bytes") == FLEET_KV_HOST_BYTES // 2
+            assert (logs / f"replica-{i}" / "triton.log").is_file() and (disk / f"replica-{i}").is_dir()
+            assert f'replica="{i}",url="http://127.0.0.1:{ports["http_port"]}"' in httpx.get(f"{router}/metrics").text
+        assert generate(router, text(60, words=20)).status_code == 200
+
+        # the stop, with a request open on a replica that cannot answer it yet (both llm stubs
+        # stopped, as hung engines would be)
+        processes = descendants(fleet.pid)
+        stubs = [pid for pid in processes if is_llm_stub(pid)]
+        assert len(stubs) == 2, processes
+        for pid in stubs:
+            os.kill(pid, signal.SIGSTOP)
+        held = {}
+        sender = threading.Thread(target=lambda: held.update(response=generate(router, text(61, words=20))))
+        sender.start()
+        until(lambda: sum(per_replica(metrics(router), "kvforge_router_replica_load").values()) == 1,
+              "the request open on a replica")
+        fleet.send_signal(signal.SIGTERM)
+        until(lambda: not listening(DEFAULT_PORT), "the router to stop listening")
+        # The router now waits for its open request (its drain: up to 30 s), and the fleet stops
+        # the replicas only after it: they serve (a draining replica's readiness is 503).
+        assert replica_ready(1) and replica_ready(2)
+        for pid in stubs:
+            os.kill(pid, signal.SIGCONT)
+        sender.join(WAIT)
+        assert "response" in held, "the held request failed (its thread printed why)"
+        assert held["response"].status_code == 200, held["response"].text  # it finished first
+        assert len(held["response"].json()["output_ids"]) == 2
+        # 128 + SIGTERM: once drained, the router's server hands the signal back to the fleet's handler
+        assert fleet.wait(FLEET_START) == 128 + signal.SIGTERM, output.read_text()[-3000:]
+        until(lambda: all(process_start(pid) != started for pid, started in processes.items()),
+              "every process of the fleet gone")
+    finally:
+        for pid in stubs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        if fleet.poll() is None:
+            fleet.kill()
+            fleet.wait()
 
 
 def test_prompts_without_a_shared_prefix_spread_over_both_replicas(router):
@@ -392,6 +494,7 @@ class FakeReplica(ThreadingHTTPServer):
     def __init__(self, namespace: str):
         super().__init__(("127.0.0.1", 0), FakeHandler)
         self.namespace, self.mode, self.ready = namespace, "refuse", True
+        self.polls = 0  # readiness questions answered: the router's polls, counted rather than timed
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
     @property
@@ -418,6 +521,7 @@ class FakeHandler(BaseHTTPRequestHandler):
         if self.path == "/v2/models/llm/config":
             self.answer(200, json.dumps({"parameters": {"cache_namespace": {"string_value": fake.namespace}}}).encode())
         elif self.path == "/v2/health/ready":
+            fake.polls += 1
             self.answer(200 if fake.ready else 503, b"{}")
         elif self.path == "/metrics":
             self.answer(200, b"kvforge_kv_host_pool_budget_bytes 1000000\nkvforge_running_sequences 0\n"
@@ -492,6 +596,33 @@ def test_affinity_falls_back_when_the_sessions_replica_is_not_ready(repo, replic
         after = metrics(url)
         assert delta(before, after, "kvforge_router_failed_attempts_total") == {}
         assert delta(before, after, "kvforge_router_requests_total") == {"2": 1}
+
+
+def test_a_replica_back_with_another_cache_namespace_stays_out_until_it_serves_ours(repo, replicas, fake, tmp_path):
+    """A replica that leaves and comes back ready is verified again (docs/fleet.md: it may have been
+    redeployed with another model): serving another cache namespace it stays out of the rotation,
+    logged once however often it is polled, and rejoins once it serves the repository's again."""
+    with router_over(repo, [fake.spec, replica_spec(replicas[0])], tmp_path) as url:
+        (log,) = tmp_path.glob("router-*.log")
+        fake.ready = False
+        until(lambda: per_replica(metrics(url), "kvforge_router_replica_ready") == {"1": 0, "2": 1},
+              "the fake out of the rotation")
+        fake.namespace, fake.ready = "0" * 64, True  # back, as another model
+        replica_1 = f"replica 1 ({fake.spec.split(',')[0]})"
+        refusal = f"{replica_1} serves cache namespace 0000000000000000..."
+        until(lambda: refusal in log.read_text(), "the refusal logged")
+        polls = fake.polls
+        until(lambda: fake.polls >= polls + 3, "three more polls of the refused replica")
+        assert log.read_text().count(refusal) == 1, log.read_text()
+        assert per_replica(metrics(url), "kvforge_router_replica_ready") == {"1": 0, "2": 1}
+        before = metrics(url)
+        assert generate(url, text(52, words=20)).status_code == 200  # the fake would refuse it: never asked
+        assert delta(before, metrics(url), "kvforge_router_requests_total") == {"2": 1}
+
+        fake.namespace = namespace_of(repo)  # redeployed with this repository's model again
+        until(lambda: per_replica(metrics(url), "kvforge_router_replica_ready") == {"1": 1, "2": 1},
+              "the fake back in the rotation")
+        assert f"{replica_1} is ready: back in the rotation" in log.read_text()
 
 
 def test_a_stream_broken_after_its_first_token_ends_with_an_error_event(repo, fake, tmp_path):
