@@ -133,13 +133,16 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(THREADS, str(max(1, (os.cpu_count() or 1) // args.replicas)))
         replicas = make_replicas(args, key)
         check_replica(replicas[0])  # the engine flags are every replica's; the ports were checked free above
-        # SIGTERM while the replicas start: stop what was started (the router then handles its own)
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        serving = False
+        # SIGTERM while the replicas start: stop what was started, exit 143 (interrupted). Once the router
+        # serves, it drains on SIGTERM and then raises the signal again: a requested stop, exit 0 as a launcher does
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0 if serving else 128 + signal.SIGTERM))
         try:
             for i, replica in enumerate(replicas, 1):
                 print(f"[fleet] starting replica {i}/{args.replicas} on port {replica.http_port} "
                       f"({os.environ[THREADS]} threads; logs in {replica.log_dir})", file=sys.stderr, flush=True)
                 replica.start()
+            serving = True
             return router.main(["--repo", str(args.repo), "--host", args.host, "--port", str(args.router_port),
                                 "--policy", args.policy,
                                 *[arg for r in replicas for arg in ("--replica", ",".join(
