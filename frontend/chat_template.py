@@ -16,7 +16,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from jinja2 import TemplateError, nodes
+from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -94,5 +94,7 @@ class ChatTemplate:
                                          add_generation_prompt=add_generation_prompt, **{**self.special, **kwargs})
         except ChatTemplateError:
             raise
-        except TemplateError as e:
+        except Exception as e:  # noqa: BLE001 - a template is a checkpoint's data: whatever it raises on
+            # these messages (a TemplateError, or Python's own, e.g. Command R7B looping over tools
+            # that are None when documents come alone) is their refusal, not a server fault
             raise ChatTemplateError(f"the chat template failed on these messages: {e}") from None

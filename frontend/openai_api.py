@@ -5,7 +5,8 @@
 
 Every choice is one streamed request to the `llm` model (`n` choices are n requests, seeds
 seed, seed+1, ...), so there is no second engine. Chat messages become a prompt through the
-checkpoint's chat template (frontend/chat_template.py). Request bodies are validated against
+checkpoint's chat template (frontend/chat_template.py), sent as the token ids transformers'
+apply_chat_template makes of it. Request bodies are validated against
 the fields below; a field kvforge does not know or cannot honour gets an OpenAI-shaped 400
 naming it (never silently ignored). A client that disconnects cancels its Triton streams.
 Extensions beyond OpenAI's fields, with vLLM's meaning: top_k, min_tokens, repetition_penalty,
@@ -31,7 +32,7 @@ import tritonclient.grpc.aio as grpcclient
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from pydantic import BaseModel, ConfigDict, Field, Json, JsonValue
 from tritonclient.utils import InferenceServerException
 
 from engines.repository import engine_dir_of
@@ -130,7 +131,9 @@ class Tool(Body):
 
 class FunctionCall(Body):
     name: str
-    arguments: str  # JSON text, as OpenAI sends it; the template decides how to write it
+    # JSON text as OpenAI sends it, parsed: templates take an object, as transformers documents
+    # (Llama 3.1's and Command R7B's write it with tojson, which would quote the text once more)
+    arguments: Json[JsonValue]
 
 
 class ToolCall(Body):
@@ -145,12 +148,19 @@ class Message(Body):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # the call a tool message answers
+    # an assistant's earlier reasoning, under vLLM's two names (Qwen3's template writes it back
+    # into the last turn's <think> block)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def template_dict(self) -> dict:
-        """The message as apply_chat_template takes it: text content, other fields only when sent."""
+        """The message as apply_chat_template takes it: text content, other fields only when sent,
+        reasoning under both names templates read (transformers 5 aliases them the same way)."""
         text = "".join(part.text for part in self.content) if isinstance(self.content, list) else (self.content or "")
-        return {"role": self.role, "content": text,
-                **self.model_dump(include={"name", "tool_calls", "tool_call_id"}, exclude_none=True)}
+        message = {"role": self.role, "content": text, **self.model_dump(
+            include={"name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning"}, exclude_none=True)}
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 class ResponseFormat(Body):
@@ -280,8 +290,12 @@ class OpenAIServer:
         length = len(prompt) if isinstance(prompt, list) else len(self.tokenizer.encode(prompt))
         return max(1, self.manifest.max_seq_len - length)
 
-    def chat_prompt(self, body: ChatRequest) -> str:
-        return render_chat(self.chat_template, body)
+    def chat_prompt(self, body: ChatRequest) -> list[int]:
+        """The token ids of a chat's prompt, as apply_chat_template(tokenize=True) makes them: the
+        template writes every special token it wants (Llama 3's and Gemma's their BOS, ChatML's
+        none) and the tokenizer adds none, so a BOS post-processor neither doubles the template's
+        nor puts one before a template that has none."""
+        return self.tokenizer.encode(render_chat(self.chat_template, body), add_special_tokens=False)
 
 
 def render_chat(template: ChatTemplate, body: ChatRequest) -> str:

@@ -26,9 +26,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The one encoding of a prompt: the engine's and the router's (its block hashes name the
         engine's tokens). The tokenizer.json's own post-processor decides about BOS, as in the
-        model's training, except that a text that already begins with BOS keeps that one: chat
-        templates (Llama 3, Gemma) write it themselves, and a second would be a token the model
-        never saw there (transformers' apply_chat_template adds no special tokens).
+        model's training, except that a text that already begins with BOS keeps that one: a chat
+        a client rendered with a template that writes it (Llama 3, Gemma) and sent as text, where
+        a second would be a token the model never saw (the front's own chats are encoded without
+        special tokens, as transformers' apply_chat_template encodes them).
         encode_batch releases the GIL while it works and encode does not: a 250K-character prompt
         held every other thread of the process (the response sender, the engine's step loop) for
         170-260 ms; through encode_batch the longest pause seen was 7 ms

@@ -2,12 +2,15 @@
 (q/k norms, linear RoPE) and SmolLM3 (NoPE layers), as tiny Hugging Face checkpoints with random
 weights, exported in both layouts and run by the in-process engine against transformers'
 generate(); Mistral's and Qwen2's sliding windows as transformers applies them, generating past
-them; Gemma 2, Gemma 3 (text) and Phi-3 (fused projections, partial RoPE); instruct checkpoints'
-files (generation_config.json's stop ids, chat_template.jinja, BOS)."""
+them; Gemma 2, Gemma 3 (text) and Phi-3 (fused projections, partial RoPE); instruct checkpoints
+with the public chat templates of Llama 3.1, Qwen3 and Gemma 3 (generation_config.json's stop ids,
+chat_template.jinja, the prompt ids apply_chat_template makes, served through Triton)."""
 from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -19,12 +22,13 @@ VOCAB = 4096  # models/stdlib-llama's tokenizer
 ORIGINAL = 32  # original_max_position_embeddings: the generation runs past it
 PROMPT_TOKENS, NEW_TOKENS = 28, 44  # positions 0..71: prompts and generations longer than the windows
 LOGPROB_TOLERANCE = 2e-3
+EXPORT_CONTEXT = 256  # the checkpoints' max_position_embeddings: Llama 3.1's chat (121 tokens) and its answer
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               vocab_size=VOCAB, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 FAMILIES = {
     # Llama 3.1's scaling with a small original length (at theta 10000 and head_dim 16 one frequency
     # is kept, one smoothed, the rest divided by the factor); sharded, beside a consolidated.safetensors;
-    # an instruct checkpoint's files (`checkpoints`)
+    # an instruct checkpoint (INSTRUCT)
     "llama3.1": ("Llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                              "high_freq_factor": 4.0, "original_max_position_embeddings": ORIGINAL})),
     # Qwen2.5's YaRN (cos/sin x its mscale), biases, tied embeddings; a window that does not apply
@@ -53,6 +57,19 @@ FAMILIES = {
     "phi3": ("Phi3", dict(partial_rotary_factor=0.5, sliding_window=26)),
 }
 WINDOWED = ("mistral-window", "qwen2-window")
+TEMPLATES = ROOT / "tests" / "fixtures" / "chat_templates"  # public templates, byte for byte (README.md there)
+# family -> the public chat template its instruct checkpoint ships, and a chat body (as the OpenAI
+# API takes it) that checkpoint is asked; every checkpoint's tokenizer puts <s> before every text.
+# (Llama 3.1's tool preamble alone outgrows these checkpoints' 256 positions: tests/test_chat_tools.py
+# renders tools.)
+INSTRUCT = {
+    "llama3.1": ("meta-llama-Llama-3.1-8B-Instruct.jinja",
+                 {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Paris?"}]}),
+    "qwen3-linear": ("Qwen-Qwen3-0.6B.jinja", {"messages": [{"role": "user", "content": "def f(x):"}],
+                                               "chat_template_kwargs": {"enable_thinking": False}}),
+    "gemma3": ("google-gemma-3-1b-it.jinja",
+               {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def f(x):"}]}),
+}
 # A chat template in Llama 3.1's manner, using every helper transformers gives templates.
 CHAT_TEMPLATE = """{{- bos_token }}
 {%- set date = strftime_now("%d %b %Y") %}
@@ -93,6 +110,31 @@ def tokenizer_dir(tmp_path_factory):
     return directory
 
 
+class Chat(NamedTuple):
+    """An instruct checkpoint's INSTRUCT chat: its prompt as apply_chat_template(tokenize=True) makes
+    it, transformers' greedy answer up to the turn end, and that turn end (generation_config.json's)."""
+    ids: list[int]
+    answer: list[int]
+    turn_end: int
+
+
+class Checkpoint(NamedTuple):
+    directory: Path
+    prompt: list[int]
+    tokens: list[int]  # transformers' greedy tokens after the prompt
+    logprobs: list[float]
+    chat: Chat | None = None  # an instruct checkpoint's
+
+
+def transformers_chat_ids(directory: Path, body: dict) -> list[int]:
+    """apply_chat_template's prompt for an OpenAI chat body (chat_template_kwargs as its kwargs)."""
+    from transformers import AutoTokenizer
+
+    return list(AutoTokenizer.from_pretrained(directory).apply_chat_template(
+        body["messages"], tools=body.get("tools"), add_generation_prompt=True, return_dict=False,
+        **body.get("chat_template_kwargs", {})))
+
+
 def greedy_reference(model, prompt: list[int]) -> tuple[list[int], list[float]]:
     """transformers' cached greedy generate(), NEW_TOKENS tokens whatever they are, and each one's log p."""
     import torch
@@ -108,10 +150,8 @@ def greedy_reference(model, prompt: list[int]) -> tuple[list[int], list[float]]:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, tokenizer_dir):
-    """family -> (checkpoint dir, prompt, transformers' greedy tokens, their log-probs). llama3.1 is
-    an instruct checkpoint: a turn-end token in generation_config.json's eos_token_id (the first
-    greedy token from the 6th on that is new in the generation, before any config EOS) and
-    chat_template.jinja."""
+    """family -> Checkpoint: dir, prompt, transformers' greedy tokens and their log-probs; the
+    INSTRUCT families' with their chat (make_instruct)."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
@@ -135,19 +175,23 @@ def checkpoints(tmp_path_factory, tokenizer_dir):
             model.save_pretrained(directory)
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(tokenizer_dir / name, directory / name)
-        made[family] = (directory, prompt, *greedy_reference(model, prompt))
-    directory, _, tokens, _ = made["llama3.1"]
-    generation = json.loads((directory / "generation_config.json").read_text())
-    (directory / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [2, turn_end(tokens)]}))
-    (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+        made[family] = Checkpoint(directory, prompt, *greedy_reference(model, prompt),
+                                  chat=make_instruct(directory, model, *INSTRUCT[family]) if family in INSTRUCT else None)
     return made
 
 
-def turn_end(tokens: list[int]) -> int:
-    """The greedy token the instruct checkpoint lists as a turn end."""
+def make_instruct(directory: Path, model, template: str, body: dict) -> Chat:
+    """Makes `directory` an instruct checkpoint: the public template as chat_template.jinja, and a
+    turn end in generation_config.json's eos_token_id beside the config's EOS: the first greedy
+    token of the chat's answer, from the 6th on, that is new in it."""
+    (directory / "chat_template.jinja").write_text((TEMPLATES / template).read_text())
+    ids = transformers_chat_ids(directory, body)
+    tokens = greedy_reference(model, ids)[0]
     end = next(i for i in range(5, NEW_TOKENS) if tokens[i] not in tokens[:i])
-    assert 2 not in tokens[:end]
-    return tokens[end]
+    assert 2 not in tokens[:end]  # the config's own EOS would end it first
+    generation = json.loads((directory / "generation_config.json").read_text())
+    (directory / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [2, tokens[end]]}))
+    return Chat(ids, tokens[:end], tokens[end])
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +205,7 @@ def family_exports(tmp_path_factory, checkpoints):
     def make(family, layout="inplace"):
         if (family, layout) not in made:
             out = root / f"{family}-{layout}"
-            export(str(checkpoints[family][0]), out, layout, "fp32", 128)
+            export(str(checkpoints[family][0]), out, layout, "fp32", EXPORT_CONTEXT)
             made[family, layout] = out
         return made[family, layout]
 
@@ -280,7 +324,7 @@ def test_windowed_checkpoints_differ_without_their_window(checkpoints, tmp_path)
     from transformers import AutoModelForCausalLM
 
     for family in WINDOWED:
-        directory, prompt, tokens, _ = checkpoints[family]
+        directory, prompt, tokens = checkpoints[family][:3]
         unwindowed = shutil.copytree(directory, tmp_path / family)
         config = json.loads((unwindowed / "config.json").read_text())
         config.update(sliding_window=4096, use_sliding_window=False, layer_types=None)  # past every position
@@ -317,7 +361,7 @@ def test_export_generates_what_transformers_generates(family_exports, checkpoint
     log-probs within LOGPROB_TOLERANCE."""
     from runtime.llm_engine import LLMEngine, SamplingParams
 
-    _, prompt, tokens, logprobs = checkpoints[family]
+    _, prompt, tokens, logprobs = checkpoints[family][:4]
     directory = family_exports(family, layout)
     if layout == "inplace":
         with LLMEngine(directory, threads=1, prefix_cache=False) as engine:
@@ -338,7 +382,7 @@ def test_concat_windows_count_positions_across_a_shorter_rows_gap(family_exports
     from runtime.greedy import Greedy
     from runtime.runners import open_runner
 
-    _, prompt, tokens, _ = checkpoints["mistral-window"]
+    prompt, tokens = checkpoints["mistral-window"][1:3]
     directory, short = family_exports("mistral-window", "concat"), prompt[:PROMPT_TOKENS - 9]
     run = Greedy(open_runner(directory, threads=1), [prompt, short], NEW_TOKENS)
     run.prefill(every_position=False)
@@ -400,19 +444,19 @@ def test_shards_are_read_through_the_index(checkpoints):
 # ---------------------------------------------------------------- instruct checkpoints
 
 
-def test_generation_config_eos_ids_stop_generation(family_exports, checkpoints):
+@pytest.mark.parametrize("family", list(INSTRUCT))
+def test_generation_config_eos_ids_stop_generation(family_exports, checkpoints, family):
+    """The export carries the public template and generation_config.json; its turn end stops the chat."""
     from runtime.llm_engine import LLMEngine, SamplingParams
 
-    directory = family_exports("llama3.1")
-    _, prompt, tokens, _ = checkpoints["llama3.1"]
-    end = tokens.index(turn_end(tokens))
+    directory, chat = family_exports(family), checkpoints[family].chat
     manifest = Manifest.load(directory)
-    assert manifest.tokenizer["eos_token_ids"] == [2, tokens[end]]
+    assert manifest.tokenizer["eos_token_ids"] == [2, chat.turn_end]
     assert {"generation_config.json", "chat_template.jinja"} <= set(manifest.tokenizer["files"])
-    assert (directory / "generation_config.json").is_file() and (directory / "chat_template.jinja").is_file()
+    assert (directory / "chat_template.jinja").read_text() == (TEMPLATES / INSTRUCT[family][0]).read_text()
     with LLMEngine(directory, threads=1) as engine:
-        result = engine.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS))[0]
-    assert result.token_ids == tokens[:end] and result.finish_reason == "stop"
+        result = engine.generate([chat.ids], SamplingParams(max_tokens=NEW_TOKENS))[0]
+    assert result.token_ids == chat.answer and result.finish_reason == "stop"
 
 
 MESSAGES = [{"role": "system", "content": "Be brief. <&>'\u00e9"}, {"role": "user", "content": "def f(x):"},
@@ -421,7 +465,18 @@ MESSAGES = [{"role": "system", "content": "Be brief. <&>'\u00e9"}, {"role": "use
 TOOLS = [{"type": "function", "function": {"name": "z_last", "parameters": {"b": 1, "a": "<é>"}}}]
 
 
-def test_chat_template_renders_as_transformers_with_hf_helpers(family_exports, checkpoints):
+@pytest.fixture(scope="module")
+def helper_template_dir(tokenizer_dir, tmp_path_factory):
+    """The families' tokenizer with CHAT_TEMPLATE as chat_template.jinja, over the template
+    tokenizer_config.json holds."""
+    directory = tmp_path_factory.mktemp("helper-template")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, directory / name)
+    (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return directory
+
+
+def test_chat_template_renders_as_transformers_with_hf_helpers(helper_template_dir):
     """chat_template.jinja (over tokenizer_config's template) with strftime_now, tojson (keys in
     order, no HTML escaping, non-ASCII kept, indent), loopcontrols, {% generation %},
     raise_exception, tools, documents and extra kwargs: the same text as apply_chat_template."""
@@ -429,9 +484,8 @@ def test_chat_template_renders_as_transformers_with_hf_helpers(family_exports, c
 
     from frontend.chat_template import ChatTemplate, ChatTemplateError
 
-    directory, checkpoint = family_exports("llama3.1"), checkpoints["llama3.1"][0]
-    template = ChatTemplate(directory)
-    hf = AutoTokenizer.from_pretrained(checkpoint)
+    template = ChatTemplate(helper_template_dir)
+    hf = AutoTokenizer.from_pretrained(helper_template_dir)
     documents = [{"title": "t", "text": "x > y"}]
     for kwargs in ({}, {"tools": TOOLS, "documents": documents, "thinking": False}):
         text = template.render(MESSAGES, **kwargs)
@@ -445,30 +499,51 @@ def test_chat_template_renders_as_transformers_with_hf_helpers(family_exports, c
         template.render([{"role": "tool", "content": "x"}])
 
 
-def test_no_double_bos_in_engine_and_router(family_exports, checkpoints, tmp_path):
-    """The template writes <s> and the tokenizer's post-processor adds one: the engine keeps one
-    (as apply_chat_template's tokens), and the router, hashing what the engine will hold, the same
-    ids; a plain text still gets the post-processor's BOS."""
-    from transformers import AutoTokenizer
+@pytest.mark.parametrize("family", list(INSTRUCT))
+def test_chat_prompt_ids_are_apply_chat_templates(family_exports, checkpoints, family, tmp_path):
+    """The ids the front sends the engine for a chat, and those the router hashes, are
+    apply_chat_template(tokenize=True)'s, though the tokenizer's post-processor puts <s> before
+    every text: one BOS where the template writes it (Llama 3.1, Gemma 3), none where it does not
+    (Qwen3). A text sent as such (a completion) gets the post-processor's BOS, and keeps a rendered
+    chat's own instead of doubling it."""
+    from engines.repository import write_repository
+    from frontend.openai_api import ChatRequest, render_chat
+    from frontend.router.prompts import Prompts
+
+    directory, chat = family_exports(family), checkpoints[family].chat
+    body = {"model": "llm", **INSTRUCT[family][1]}
+    write_repository(directory, tmp_path)
+    prompts = Prompts(tmp_path)
+    front = prompts.openai
+    assert front.chat_prompt(ChatRequest.model_validate(body)) == chat.ids
+    assert prompts.of_openai("/v1/chat/completions", json.dumps(body).encode())[0][0].ids == chat.ids
+    writes_bos = family != "qwen3-linear"
+    assert chat.ids.count(1) == int(writes_bos) and (chat.ids[0] == 1) == writes_bos
+    rendered = render_chat(front.chat_template, ChatRequest.model_validate(body))
+    assert front.tokenizer.encode(rendered) == (chat.ids if writes_bos else [1] + chat.ids)
+    assert front.tokenizer.encode("def f") == [1] + front.tokenizer.encode("def f", add_special_tokens=False)
+
+
+@pytest.mark.parametrize("family", list(INSTRUCT))
+def test_served_chat_with_the_public_template(family_exports, checkpoints, family, tmp_path):
+    """Through Triton and the front, with the official client: the chat's prompt is the one
+    apply_chat_template makes (its token count), and the answer transformers' greedy one, ended
+    by generation_config.json's turn end."""
+    import openai
 
     from engines.repository import write_repository
-    from frontend.chat_template import ChatTemplate
-    from frontend.router.prompts import Prompts
-    from runtime.llm_engine import LLMEngine, SamplingParams
+    from launcher.harness import TritonServer, free_ports
     from runtime.tokenizer import Tokenizer
 
-    directory, checkpoint = family_exports("llama3.1"), checkpoints["llama3.1"][0]
-    text = ChatTemplate(directory).render(MESSAGES)
-    expected = AutoTokenizer.from_pretrained(checkpoint).apply_chat_template(MESSAGES, add_generation_prompt=True,
-                                                                             return_dict=False)
-    tokenizer = Tokenizer(directory, Manifest.load(directory))
-    ids = tokenizer.encode(text)
-    assert ids == list(expected) and ids[0] == 1 and ids[1] != 1
-    assert tokenizer.encode("def f") == [1] + tokenizer.encode("def f", add_special_tokens=False)
-    repo = tmp_path / "repo"
-    write_repository(directory, repo)
-    body = json.dumps({"model": "llm", "messages": MESSAGES, "max_tokens": 4}).encode()
-    routed = Prompts(repo).of_openai("/v1/chat/completions", body)[0][0]
-    assert routed.ids == ids
-    with LLMEngine(directory, threads=1) as engine:
-        assert engine.generate([text], SamplingParams(max_tokens=1))[0].prompt_tokens == len(ids)
+    directory, chat = family_exports(family), checkpoints[family].chat
+    body = INSTRUCT[family][1]
+    write_repository(directory, tmp_path, slots=2)
+    http, grpc, metrics, openai_port = free_ports(4)
+    with TritonServer(tmp_path, http_port=http, grpc_port=grpc, metrics_port=metrics, openai_port=openai_port) as server:
+        client = openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0)
+        answer = client.chat.completions.create(model="llm", messages=body["messages"], max_tokens=NEW_TOKENS,
+                                                temperature=0, extra_body={k: v for k, v in body.items()
+                                                                           if k != "messages"})
+    assert answer.usage.prompt_tokens == len(chat.ids)
+    assert answer.choices[0].finish_reason == "stop" and answer.usage.completion_tokens == len(chat.answer)
+    assert answer.choices[0].message.content == Tokenizer(directory, Manifest.load(directory)).decode(chat.answer)
