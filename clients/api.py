@@ -37,7 +37,7 @@ DEFAULT_URLS = {"grpc": "127.0.0.1:8001", "http": "127.0.0.1:8000"}
 # the llm inputs a request may carry (datatypes: kvforge/llm_io.py)
 OPTIONS = ("text_input", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_words", "stream",
           "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "bad_words", "end_id",
-          "ignore_eos", "exclude_input_in_output", "speculative")
+          "ignore_eos", "exclude_input_in_output", "speculative", "guided_decoding_guide_type", "guided_decoding_guide")
 GRPC_OUTPUTS = ("text_output", "output_ids")  # what a stream reads; the server builds only these
 MAX_GRPC_MESSAGE_BYTES = 2**31 - 1  # what tritonclient's own channels allow (gRPC's default receive: 4 MiB)
 

@@ -10,7 +10,8 @@ apply_chat_template makes of it. Request bodies are validated against
 the fields below; a field kvforge does not know or cannot honour gets an OpenAI-shaped 400
 naming it (never silently ignored). A client that disconnects cancels its Triton streams.
 Extensions beyond OpenAI's fields, with vLLM's meaning: top_k, min_tokens, repetition_penalty,
-ignore_eos, cache_salt (reaches the prefix cache's salt), kvforge's speculative ("ngram" / "off"),
+ignore_eos, cache_salt (reaches the prefix cache's salt), the guided_* fields and structured_outputs
+(constrained decoding, as chat's response_format: `guide_of`), kvforge's speculative ("ngram" / "off"),
 and skip_special_tokens /
 include_stop_str_in_output at the one value kvforge implements (true / false). An error of the
 llm model gets its kind's status (kvforge/errors.py); a message without a kind's prefix (what
@@ -79,6 +80,15 @@ class StreamOptions(Body):
     include_usage: bool = False
 
 
+class StructuredOutputs(Body):
+    """vLLM's structured_outputs: one of these constrains the output."""
+    json_: str | dict[str, JsonValue] | None = Field(None, alias="json")  # a JSON Schema
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF: llguidance's Lark or GBNF
+    json_object: bool | None = None
+
+
 class Sampling(Body):
     """The fields /v1/completions and /v1/chat/completions share."""
     model: str
@@ -101,6 +111,12 @@ class Sampling(Body):
     speculative: Literal["ngram", "off"] | None = None  # kvforge's: prompt-lookup speculation (docs/serving.md)
     skip_special_tokens: bool = True  # true only: kvforge's text never holds special tokens
     include_stop_str_in_output: bool = False  # false only: the text ends before the stop string
+    # constrained decoding under vLLM's names (at most one guide per request: guide_of)
+    guided_json: str | dict[str, JsonValue] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class CompletionRequest(Sampling):
@@ -163,8 +179,16 @@ class Message(Body):
         return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
+class JsonSchemaFormat(Body):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, JsonValue] = Field(alias="schema")
+    strict: bool | None = None  # the schema is enforced either way: decoding follows it
+
+
 class ResponseFormat(Body):
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None  # with type json_schema
 
 
 class ChatRequest(Sampling):
@@ -216,6 +240,38 @@ def tensor(name: str, value):
     return infer_input
 
 
+def guide_of(body: Sampling) -> tuple[str, str] | None:
+    """The guide (kind, text) for llm's guided_decoding inputs of whichever field constrains the
+    output: chat's response_format, vLLM's guided_* or structured_outputs; a 400 naming the
+    field when two do (or a response_format is malformed)."""
+    given = []  # (field, guide kind, text)
+    response_format = getattr(body, "response_format", None)
+    if response_format is not None:
+        if (response_format.type == "json_schema") != (response_format.json_schema is not None):
+            raise APIError(400, "response_format.json_schema goes with type json_schema, and only with it",
+                           param="response_format.json_schema")
+        if response_format.type == "json_schema":
+            given.append(("response_format", "json_schema", json.dumps(response_format.json_schema.schema_)))
+        elif response_format.type == "json_object":
+            given.append(("response_format", "json", ""))
+    outputs = body.structured_outputs or StructuredOutputs()
+    for name, kind, value in (("guided_json", "json_schema", body.guided_json),
+                              ("guided_regex", "regex", body.guided_regex),
+                              ("guided_choice", "choice", body.guided_choice),
+                              ("guided_grammar", "ebnf_grammar", body.guided_grammar),
+                              ("structured_outputs.json", "json_schema", outputs.json_),
+                              ("structured_outputs.regex", "regex", outputs.regex),
+                              ("structured_outputs.choice", "choice", outputs.choice),
+                              ("structured_outputs.grammar", "ebnf_grammar", outputs.grammar),
+                              ("structured_outputs.json_object", "json", outputs.json_object or None)):
+        if value is not None:  # a schema or a choice list as JSON text; a json guide has none
+            given.append((name, kind, "" if kind == "json" else value if isinstance(value, str) else json.dumps(value)))
+    if len(given) > 1:
+        raise APIError(400, f"{given[0][0]} and {given[1][0]} both constrain the output; send one of them",
+                       param=given[1][0])
+    return given[0][1:] if given else None
+
+
 def llm_inputs(prompt: str | list[int], body: Sampling, max_tokens: int, seed: int | None, echo: bool,
                logprobs: bool) -> list:
     inputs = [tensor("input_ids", prompt) if isinstance(prompt, list) else tensor("text_input", prompt),
@@ -230,6 +286,9 @@ def llm_inputs(prompt: str | list[int], body: Sampling, max_tokens: int, seed: i
                 ("ignore_eos", True if body.ignore_eos else None),
                 ("exclude_input_in_output", False if echo else None),
                 ("return_log_probs", True if logprobs else None)]
+    guide = guide_of(body)
+    if guide is not None:
+        optional += [("guided_decoding_guide_type", guide[0]), ("guided_decoding_guide", guide[1] or None)]
     return inputs + [tensor(name, value) for name, value in optional if value is not None]
 
 

@@ -108,6 +108,9 @@ INPUTS = {t.name: t for t in (
     _input("num_return_sequences", "INT32", INT32),
     _input("return_log_probs", "BOOL", BOOL),
     _input("speculative", "BYTES", STRING),  # "ngram" | "off" (default: the server's --speculative)
+    # constrained decoding, as TensorRT-LLM names it: json | json_schema | regex | ebnf_grammar | choice
+    _input("guided_decoding_guide_type", "BYTES", STRING),
+    _input("guided_decoding_guide", "BYTES", STRING),
     _input("return_num_input_tokens", "BOOL", BOOL),
     _input("return_num_output_tokens", "BOOL", BOOL),
     # the prefix cache: a tenant's salt, and the operator's clear (needs the control key)

@@ -24,6 +24,7 @@ from kvforge.errors import EngineError, RequestError
 from kvforge.engine_config import EngineConfig
 from kvforge.limits import Limits
 from runtime.disaggregation import Disaggregation, PrefillWorker
+from runtime.grammar import Grammars
 from runtime.kv.block_pool import HostBlockPool, default_kv_host_bytes
 from runtime.kv.manager import KVManager
 from runtime.kv.rows import KVCopies
@@ -67,6 +68,7 @@ class LLMEngine:
         self.manifest = manifest
         self.limits = Limits.from_manifest(manifest, config.slots, config.max_waiting, config.kv_cache_bytes)
         self.tokenizer = Tokenizer(engine_dir, manifest)
+        self.grammars = Grammars(engine_dir / "tokenizer.json", manifest.model.vocab_size, self.tokenizer.eos_token_ids)
         self.runner = open_runner(engine_dir, config.threads, config.spin_us)
         kv_host_bytes = default_kv_host_bytes() if config.kv_host_bytes is None else config.kv_host_bytes
         pool = HostBlockPool(self.runner.block, kv_host_bytes) if config.prefix_cache else None
@@ -121,8 +123,9 @@ class LLMEngine:
 
     def _prepare(self, prompt: Prompt, params: SamplingParams | None, on_output, cache_salt: bytes | None,
                  queue_timeout: float | None, timeout: float | None) -> Sequence:
-        """A request's checks and its tokenization, on the caller's thread and without the engine's
-        lock: a long prompt being tokenized holds no step and no other request."""
+        """A request's checks, its tokenization and its guide's grammar, on the caller's thread and
+        without the engine's lock: a long prompt being tokenized or a schema being compiled holds
+        no step and no other request."""
         params = params or SamplingParams()
         params.validate()
         if cache_salt is not None and (not isinstance(cache_salt, bytes) or len(cache_salt) > MAX_CACHE_SALT_BYTES):
@@ -159,6 +162,8 @@ class LLMEngine:
             raise RequestError(f"the request needs {self.runner.bucket_for(seq.max_tokens_total)} KV tokens "
                                f"(its capacity bucket) but the cache holds {self.limits.kv_tokens}; "
                                "lower max_tokens or shorten the prompt")
+        if params.guide is not None:  # compiled last, once every cheaper check passed
+            seq.constraint = self.grammars.constraint(params.guide, seq.stop_token_ids)
         return seq
 
     def _enqueue(self, seqs: list[Sequence]) -> None:
@@ -271,6 +276,7 @@ class LLMEngine:
                         step_budget=s.step_budget(), decode_step_seconds=s.costs.decode_seconds,
                         prompt_token_seconds=s.costs.prompt_token_seconds,
                         prefix_cache=self.kv.pool is not None, **self.kv.stats(), **s.counters, **self.pd_counters,
+                        **self.grammars.counters,
                         pd_prefill_queue=len(self._remote), pd_prefill_worker_up=int(self.pd is not None and self.pd.up))
 
     def cached_blocks(self, token_ids: list[int], salt: bytes | None) -> tuple[list[bytes], dict]:

@@ -2,8 +2,8 @@
 
 The logits pass through the request's penalties and bans first (repetition penalty over prompt
 and output as in Hugging Face / TensorRT-LLM; presence and frequency penalties over the output
-as in OpenAI / vLLM; end tokens banned until min_tokens; bad words banned), then temperature,
-top-k and top-p. A requested log-prob is the log-softmax of the model's own logits for the
+as in OpenAI / vLLM; end tokens banned until min_tokens; bad words banned), then the request's
+guide (runtime/grammar.py: what its grammar forbids), then temperature, top-k and top-p. A requested log-prob is the log-softmax of the model's own logits for the
 chosen token (before any of that, like vLLM's default `raw_logprobs`), so it measures the model,
 not the sampling settings. Stop strings are matched on the detokenized text; `stop_hold_back`
 tells the streamer how much of the text's tail could still turn into a stop string.
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvforge.errors import RequestError, quote
+from runtime.grammar import Guide
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -42,6 +43,7 @@ class SamplingParams:
     bad_word_ids: tuple[tuple[int, ...], ...] = ()  # bad_words tokenized by the engine
     logprobs: bool = False
     speculative: str | None = None  # "ngram" | "off"; None = the server's default
+    guide: Guide | None = None  # what the output must match (constrained decoding)
 
     @property
     def adjusts_logits(self) -> bool:
@@ -82,6 +84,12 @@ class SamplingParams:
         _check_texts(self.bad_words, "bad words", "each bad word")
         if self.speculative not in (None, "off", "ngram"):
             raise RequestError(f"speculative must be 'ngram' or 'off', got {quote(self.speculative)}")
+        if self.guide is not None:
+            if not isinstance(self.guide, Guide):
+                raise RequestError(f"guide must be a Guide(kind, text), got {type(self.guide).__name__}")
+            self.guide.check()
+            if self.ignore_eos:
+                raise RequestError("ignore_eos cannot go with a guide: the grammar decides where the text ends")
 
 
 def _check_texts(texts: tuple[str, ...], plural: str, each: str) -> None:

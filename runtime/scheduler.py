@@ -320,7 +320,7 @@ class Scheduler:
         if len(self.running) > self.speculation.max_rows or not any(s.ngrams for s in self.running):
             return None
         room = min(room, self.kv.rows.capacity - max(s.num_cached for s in self.running))
-        drafts = [s.ngrams.propose(s.tokens, min(s.draft_limit, s.max_tokens_total - len(s.tokens) - 1, room - 1))
+        drafts = [s.draft(min(s.draft_limit, s.max_tokens_total - len(s.tokens) - 1, room - 1))
                   if s.ngrams and s.num_output >= s.draft_resumes else [] for s in self.running]
         if not any(drafts):
             return None
@@ -384,7 +384,7 @@ class Scheduler:
                 continue  # a prompt chunk: nothing to sample yet
             self.counters["generated_tokens"] += 1
             # logits[b, 0]: its last real position, the only one execute() asks for
-            outputs.append((seq, seq.append(*seq.choose(logits[b, 0]))))
+            outputs.append((seq, seq.advance(logits[b, 0])))
         self._drop_finished()
         return outputs, self.kv.rows.take_copies()
 

@@ -8,6 +8,8 @@ from typing import Callable
 
 import numpy as np
 
+from kvforge.errors import RequestError
+from runtime.grammar import Constraint
 from runtime.sampling import SamplingParams, adjust_logits, find_stop, log_softmax, sample, stop_hold_back
 from runtime.speculation import NgramIndex
 from runtime.tokenizer import IncrementalDetokenizer
@@ -71,6 +73,7 @@ class Sequence:
     handoff_seconds: float | None = None  # prefilled by the prefill worker: how long its hand-off took to write
     queue_deadline: float | None = None  # perf_counter time by which it must have a slot
     deadline: float | None = None  # perf_counter time by which it must have finished
+    constraint: Constraint | None = None  # its guide's matcher (runtime/grammar.py)
     ngrams: NgramIndex | None = None  # set when decoding steps may verify drafted tokens (runtime/speculation.py)
     draft_limit: int = 0  # how many tokens its next draft may hold
     draft_continued: int = 0  # drafted tokens after a held one that held (runtime/speculation.draft_length)
@@ -108,13 +111,31 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    def advance(self, logits: np.ndarray) -> RequestOutput:
+        """Choose the next token from the last position's logits and take it."""
+        try:
+            return self.append(*self.choose(logits))
+        except RequestError as e:  # its guide allows no token its bans leave
+            return self.finish("error", str(e))
+
     def choose(self, logits: np.ndarray) -> tuple[int, float | None]:
-        """The next token from the last position's logits, and its log-prob if the request wants it."""
+        """The next token from the last position's logits, and its log-prob if the request wants
+        it (the model's own: before penalties, bans and the guide's mask)."""
         params = self.params
         adjusted = adjust_logits(logits, params, self.tokens, self.num_prompt, self.stop_token_ids) \
             if params.adjusts_logits else logits
+        if self.constraint is not None:
+            adjusted = self.constraint.mask(adjusted)
         token = sample(adjusted, params, self.rng)
         return token, log_softmax(logits, token) if params.logprobs else None
+
+    def draft(self, k: int) -> list[int]:
+        """Up to k tokens drafted from its own context (speculation), cut before the first its
+        guide forbids: that one would be rejected anyway."""
+        drafted = self.ngrams.propose(self.tokens, k)
+        if drafted and self.constraint is not None:
+            return drafted[:self.constraint.valid_prefix(drafted)]
+        return drafted
 
     def append(self, token: int, logprob: float | None = None) -> RequestOutput:
         """Take a sampled token; the output carries it (one token per output), its text may be
@@ -123,6 +144,8 @@ class Sequence:
             return self.finish("stop")
         self.tokens.append(token)
         self.unsent_ids.append(token)
+        if self.constraint is not None:
+            self.constraint.accept(token)
         if logprob is not None:
             self.unsent_logprobs.append(logprob)
             self.cum_logprob += logprob
@@ -132,6 +155,9 @@ class Sequence:
         if stop_at >= 0:
             self.text = self.text[:stop_at]
             return self.finish("stop", flush=False)
+        if self.constraint is not None and self.constraint.done:  # the grammar takes no more tokens
+            error = self.constraint.error()
+            return self.finish("error", error) if error else self.finish("stop")
         if self.num_output >= self.params.max_tokens:
             return self.finish("length")
         ready = len(self.text) - stop_hold_back(self.text, self.params.stop)
@@ -147,7 +173,7 @@ class Sequence:
         self.num_cached += 1
         out, accepted = None, 0
         for i, row in enumerate(logits[:len(draft) + 1]):
-            step = self.append(*self.choose(row))
+            step = self.advance(row)
             out = step if out is None else out.merge(step)
             if self.finished or i == len(draft) or self.tokens[-1] != draft[i]:
                 break

@@ -9,6 +9,7 @@ import os
 from kvforge import env, llm_io
 from kvforge.errors import RequestError
 from kvforge.llm_io import Inputs, either, identity_only, one_value, prompt_of, strings, utf8
+from runtime.grammar import Guide
 from runtime.sampling import SamplingParams
 from triton_models.requests import refuse_unknown_parameters
 
@@ -45,11 +46,23 @@ def parse(request, inputs: Inputs, engine):
         frequency_penalty=one_value(inputs, "frequency_penalty", 0.0, float),
         min_tokens=either(inputs, ("min_tokens", "min_length"), int) or 0,
         logprobs=one_value(inputs, "return_log_probs", False, bool),
-        speculative=one_value(inputs, "speculative", None, utf8("speculative")))
+        speculative=one_value(inputs, "speculative", None, utf8("speculative")),
+        guide=guide_of(inputs))
     prompt = prompt_of(inputs)
     echo = "" if one_value(inputs, "exclude_input_in_output", True, bool) else \
         prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt)
     return prompt, params, one_value(inputs, "stream", False, bool), echo
+
+
+def guide_of(inputs: Inputs) -> Guide | None:
+    """TensorRT-LLM's guided decoding inputs: the guide's type and its text (none for json)."""
+    kind = one_value(inputs, "guided_decoding_guide_type", None, utf8("guided_decoding_guide_type"))
+    text = one_value(inputs, "guided_decoding_guide", None, utf8("guided_decoding_guide"))
+    if kind is None:
+        if text is not None:
+            raise RequestError("guided_decoding_guide needs guided_decoding_guide_type: what kind of guide it is")
+        return None
+    return Guide(kind, text or "")
 
 
 def requested_outputs(request) -> frozenset[str]:
