@@ -83,8 +83,15 @@ def test_every_guide_holds_greedy_and_sampled_beside_free_requests(engine):
 
 
 def test_a_json_guide_makes_any_json_object(engine):
+    """Any JSON object has unbounded strings, which the random model may never close: an answer
+    that ends is an object, one cut at max_tokens is a prefix the grammar accepts token by token."""
     result = engine.generate([PROMPT], guided("json"))[0]
-    assert result.finish_reason == "stop" and isinstance(json.loads(result.text), dict), result
+    assert result.text.startswith("{"), result
+    if result.finish_reason == "stop":
+        assert isinstance(json.loads(result.text), dict), result
+    else:
+        fresh = engine.grammars.constraint(Guide("json"), frozenset(engine.tokenizer.eos_token_ids))
+        assert fresh.valid_prefix(result.token_ids) == len(result.token_ids), result
 
 
 def test_the_mask_allows_the_grammar_and_the_end_only_where_it_accepts(engine):
@@ -98,7 +105,8 @@ def test_the_mask_allows_the_grammar_and_the_end_only_where_it_accepts(engine):
     assert (masked[sorted(end_ids)] == -np.inf).all()  # nothing written yet: no end
     allowed = np.flatnonzero(masked == 0)
     decoded = {t: engine.tokenizer.decode([int(t)]) for t in range(engine.limits.vocab_size)}
-    assert set(allowed) == {t for t, text in decoded.items() if re.fullmatch("ab*", text)} and len(allowed) > 1
+    # llguidance may leave out a token that only a non-canonical split would follow ("a" then "b" where "ab" is one token)
+    assert 0 < len(allowed) and set(allowed) <= {t for t, text in decoded.items() if re.fullmatch("ab*", text)}
     a, b = (engine.tokenizer.encode(c, add_special_tokens=False) for c in ("a", "b"))
     for token in a + b:
         constraint.accept(token)
