@@ -687,7 +687,8 @@ def create_openai_app(config: FrontConfig) -> FastAPI:
 
         def choices() -> list[Choice]:
             guide = guide_of(body)
-            return [Choice(p * body.n + j, p, llm_inputs(prompt, body, guide, server.max_tokens(prompt, body.max_tokens),
+            return [Choice(p * body.n + j, p, llm_inputs(prompt, body, guide,
+                                                         server.max_tokens(prompt, body.max_tokens),
                                                          seed_of(body, j), body.echo, logprobs))
                     for p, prompt in enumerate(prompts) for j in range(body.n)]
 

@@ -42,6 +42,10 @@ class ToolFormat:
     def header(self, name: str) -> str:
         return f'{self.call_open}{{"name": {json.dumps(name)}, "{self.arguments_key}": '
 
+    def write(self, calls: list[tuple[str, str]]) -> str:
+        """Calls (name, arguments as JSON text) as the grammar makes a model write them."""
+        return self.separator.join(f"{self.header(name)}{arguments}}}{self.call_close}" for name, arguments in calls)
+
 
 HERMES = ToolFormat("hermes", "<tool_call>\n", "\n</tool_call>", "\n", "arguments")
 LLAMA3_JSON = ToolFormat("llama3_json", "", "", "; ", "parameters")

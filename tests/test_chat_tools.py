@@ -214,8 +214,8 @@ def test_each_format_grammar_and_reader_agree(fmt):
     grammars = Grammars(ROOT / "models" / "stdlib-llama" / "tokenizer.json", 4096, (2,))
     tokenizer = Tokenizer.from_file(str(ROOT / "models" / "stdlib-llama" / "tokenizer.json"))
     assert SCHEMAS["get_forecast"]["additionalProperties"] is False
-    first = fmt.header("get_forecast") + '{"city": "Zürich", "days": 3}}' + fmt.call_close
-    both = first + fmt.separator + fmt.header("get_time") + '{"zone": "CET"}}' + fmt.call_close
+    first = fmt.write([("get_forecast", '{"city": "Zürich", "days": 3}')])
+    both = fmt.write([("get_forecast", '{"city": "Zürich", "days": 3}'), ("get_time", '{"zone": "CET"}')])
     for parallel in (True, False):
         tools = grammar(fmt, list(SCHEMAS.items()), parallel)
         for text, allowed in ((first, True), (both, parallel), (first.replace("3", "9"), False)):
@@ -247,8 +247,8 @@ def test_auto_reads_a_malformed_call_as_content(text):
     pieces = [reader.feed(text[i:i + 4], finished=i + 4 >= len(text)) for i in range(0, len(text), 4)]
     assert "".join(content for content, _ in pieces) == text and not any(calls for _, calls in pieces)
     assert message_of(ToolCalls(HERMES, set(SCHEMAS), enforced=False), text) == (text, [])
-    content, calls = message_of(ToolCalls(HERMES, set(SCHEMAS), enforced=False),
-                                'Let me look. <tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>\n')
+    called = 'Let me look. <tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>\n'
+    content, calls = message_of(ToolCalls(HERMES, set(SCHEMAS), enforced=False), called)
     assert content == "Let me look." and calls[0]["function"]["arguments"] == '{"zone": "UTC"}'
 
 
@@ -305,6 +305,31 @@ def test_streamed_tool_calls_equal_the_answer(served):
     assert finish == whole.finish_reason == "tool_calls"
     assert list(calls.values()) == [{"name": c.function.name, "arguments": c.function.arguments}
                                     for c in whole.message.tool_calls]
+
+
+def test_the_router_reads_the_calls_a_replica_answered(triton):
+    """The router remembers a replica's answer as the tokens it generated: a tool call's as the
+    model's format writes it, from a whole answer and from a stream alike."""
+    import httpx
+
+    from frontend.router.prompts import Prompts
+    from frontend.router.relay import ResponseScanner
+
+    body = {"model": "llm", "messages": ASK, "tools": CALL_TOOLS, "tool_choice": "required", "max_tokens": 200,
+            "temperature": 0}
+    whole, streamed = ResponseScanner(), ResponseScanner()
+    url = f"{triton.openai_url}/chat/completions"
+    answer = httpx.post(url, json=body, timeout=300)
+    whole.read(answer.content)
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=300) as sse:
+        for chunk in sse.iter_bytes():
+            streamed.feed(chunk)
+    message = answer.json()["choices"][0]["message"]
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+    assert whole.tool_calls == streamed.tool_calls == calls and whole.text == streamed.text == ""
+    prompts = Prompts(triton.repo)
+    expected = prompts.openai.tokenizer.encode(HERMES.write(calls), add_special_tokens=False)
+    assert prompts.generated_ids("", calls) == expected
 
 
 def test_parallel_tool_calls_false_makes_one_call(served):
