@@ -710,7 +710,7 @@ def create_openai_app(config: FrontConfig) -> FastAPI:
             return [Choice(j, 0, llm_inputs(prompt, body, guide, max_tokens, seed_of(body, j), False, body.logprobs))
                     for j in range(body.n)]
 
-        # rendering the template, compiling a guide and tokenizing are off the event loop, which relays every
+        # rendering the template, checking a guide and tokenizing are off the event loop, which relays every
         # other stream's tokens
         return await Completion(server, "chat", body, await asyncio.to_thread(choices), body.logprobs,
                                 server.tool_reader(body)).respond(request)

@@ -99,54 +99,63 @@ class Call:
     closed: bool  # its arguments and its format's closing text are all there
 
 
-def calls_start(text: str, fmt: ToolFormat) -> int:
-    """Where the first call begins in an answer, or -1."""
+WHITESPACE = re.compile(r"\s*")
+
+
+def calls_start(text: str, fmt: ToolFormat, since: int = 0) -> int:
+    """Where the first call begins in an answer (looking from `since` on), or -1."""
     if fmt.call_open:
-        return text.find(fmt.call_open)
-    stripped = text.lstrip()
-    return len(text) - len(stripped) if stripped.startswith("{") else -1
+        return text.find(fmt.call_open, since)
+    first = WHITESPACE.match(text).end()
+    return first if text.startswith("{", first) else -1
 
 
-def object_end(text: str, start: int) -> int | None:
-    """The end of the JSON object (or array) opening at start, or None while it is unfinished."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        c = text[i]
-        if in_string:
-            escaped, in_string = (False, True) if escaped else (c == "\\", c != '"')
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+class ObjectEnd:
+    """Where a JSON object (or array) opening at `start` ends, in a text that grows: each
+    character is read once however often it is asked (a streamed call's arguments can be long)."""
+
+    def __init__(self, start: int):
+        self.pos, self.depth, self.in_string, self.escaped = start, 0, False, False
+        self.end: int | None = None
+
+    def find(self, text: str) -> int | None:
+        while self.end is None and self.pos < len(text):
+            c = text[self.pos]
+            self.pos += 1
+            if self.in_string:
+                self.escaped, self.in_string = (False, True) if self.escaped else (c == "\\", c != '"')
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                self.end = self.pos if self.depth == 0 else None
+        return self.end
 
 
-def read_calls(text: str, start: int, fmt: ToolFormat) -> tuple[list[Call], int]:
+def read_calls(text: str, start: int, fmt: ToolFormat, ends: dict[int, ObjectEnd]) -> tuple[list[Call], int]:
     """The calls from `start` as far as they go (the last one maybe unfinished), and where the
-    text after the last closed call begins."""
+    text after the last closed call begins. ends: the arguments' scanners by where they open,
+    kept by a caller that reads the same growing text again."""
     header = re.compile(r'\s*\{\s*"name"\s*:\s*"([a-zA-Z0-9_-]{1,64})"\s*,\s*"%s"\s*:\s*' % fmt.arguments_key)
     close = re.compile(r"\s*\}" + re.escape(fmt.call_close))
+    separator = re.compile(r"\s*" + re.escape(fmt.separator.strip()) + r"\s*")
     calls, pos, rest = [], start, start
     while text.startswith(fmt.call_open, pos):
         head = header.match(text, pos + len(fmt.call_open))
         if head is None or not text.startswith("{", head.end()):
             break
-        end = object_end(text, head.end())
+        end = ends.setdefault(head.end(), ObjectEnd(head.end())).find(text)
         closing = close.match(text, end) if end is not None else None
         calls.append(Call(head.group(1), text[head.end():end], closing is not None))
         if closing is None:
             break
         rest = closing.end()
-        pos = rest + len(text[rest:]) - len(text[rest:].lstrip())
-        if fmt.separator.strip():
-            if not text.startswith(fmt.separator.strip(), pos):
-                break
-            pos += len(fmt.separator.strip())
-            pos += len(text[pos:]) - len(text[pos:].lstrip())
+        following = separator.match(text, rest)
+        if following is None:
+            break
+        pos = following.end()
     return calls, rest
 
 
@@ -156,7 +165,7 @@ def parse(text: str, fmt: ToolFormat, names: set[str]) -> tuple[str, list[Call]]
     start = calls_start(text, fmt)
     if start < 0:
         return text, []
-    calls, rest = read_calls(text, start, fmt)
+    calls, rest = read_calls(text, start, fmt, {})
     valid = calls and all(c.closed and c.name in names and isinstance(loads(c.arguments), dict) for c in calls)
     return (text[:start], calls) if valid and not text[rest:].strip() else (text, [])
 
@@ -184,6 +193,8 @@ class ToolCalls:
         self.text = ""
         self.content_sent = 0
         self.arguments_sent: list[int] = []  # per call sent: how much of its arguments
+        self.ends: dict[int, ObjectEnd] = {}  # enforced: the calls' arguments read so far
+        self.start = -1  # auto: where the first call begins, once seen
 
     @property
     def called(self) -> bool:
@@ -192,10 +203,12 @@ class ToolCalls:
     def feed(self, text: str, finished: bool) -> tuple[str, list[dict]]:
         self.text += text
         if self.enforced:
-            return "", self._deltas(read_calls(self.text, 0, self.fmt)[0])
-        start = calls_start(self.text, self.fmt)
+            return "", self._deltas(read_calls(self.text, 0, self.fmt, self.ends)[0])
+        if self.start < 0:  # a call's opening may straddle the new text's beginning
+            self.start = calls_start(self.text, self.fmt, max(0, len(self.text) - len(text) - len(self.fmt.call_open)))
         if not finished:  # content up to a possible call (and its trailing whitespace, which may precede one)
-            return self._content(start if start >= 0 else len(self.text) - held_back(self.text, self.fmt.call_open)), []
+            end = self.start if self.start >= 0 else len(self.text) - held_back(self.text, self.fmt.call_open)
+            return self._content(end), []
         content, calls = parse(self.text, self.fmt, self.names)
         if not calls:
             return self._content(len(self.text), trailing=True), []
