@@ -286,25 +286,27 @@ def test_forced_tool_calls_round_trip(served):
 
 
 def test_streamed_tool_calls_equal_the_answer(served):
-    """Greedy: the streamed deltas reassemble into the non-streamed calls; the first delta of a
-    call carries its id, type and name, later ones only more arguments."""
-    ask = dict(model="llm", messages=ASK, tools=CALL_TOOLS, max_tokens=200, temperature=0, tool_choice="required")
-    whole = served.chat.completions.create(**ask).choices[0]
-    calls, finish = {}, None
+    """Greedy, two choices: each choice's streamed deltas reassemble into its non-streamed calls;
+    the first delta of a call carries its id, type and name, later ones only more arguments."""
+    ask = dict(model="llm", messages=ASK, tools=CALL_TOOLS, max_tokens=200, temperature=0, tool_choice="required", n=2)
+    whole = served.chat.completions.create(**ask).choices
+    calls, finish = {0: {}, 1: {}}, {}
     for chunk in served.chat.completions.create(**ask, stream=True):
         choice = chunk.choices[0]
-        finish = choice.finish_reason or finish
+        finish[choice.index] = choice.finish_reason or finish.get(choice.index)
         for delta in choice.delta.tool_calls or []:
-            if delta.index not in calls:
+            if delta.index not in calls[choice.index]:
                 assert delta.id.startswith("call_") and delta.type == "function" and delta.function.name
-                calls[delta.index] = {"name": delta.function.name, "arguments": delta.function.arguments or ""}
+                calls[choice.index][delta.index] = {"name": delta.function.name,
+                                                    "arguments": delta.function.arguments or ""}
             else:
                 assert delta.id is None and delta.function.name is None
-                calls[delta.index]["arguments"] += delta.function.arguments
+                calls[choice.index][delta.index]["arguments"] += delta.function.arguments
         assert not choice.delta.content
-    assert finish == whole.finish_reason == "tool_calls"
-    assert list(calls.values()) == [{"name": c.function.name, "arguments": c.function.arguments}
-                                    for c in whole.message.tool_calls]
+    for answer in whole:
+        assert finish[answer.index] == answer.finish_reason == "tool_calls"
+        assert list(calls[answer.index].values()) == [{"name": c.function.name, "arguments": c.function.arguments}
+                                                      for c in answer.message.tool_calls]
 
 
 def test_the_router_reads_the_calls_a_replica_answered(triton):
