@@ -215,9 +215,10 @@ class ToolCalls:
         return self._content(len(content)), self._deltas(calls)
 
     def _content(self, end: int, trailing: bool = False) -> str:
-        end = end if trailing else len(self.text[:end].rstrip())
-        delta = self.text[self.content_sent:end] if end > self.content_sent else ""
-        self.content_sent = max(self.content_sent, end)
+        """The content not sent yet up to `end`, but its trailing whitespace (unless trailing)."""
+        pending = self.text[self.content_sent:end]
+        delta = pending if trailing else pending.rstrip()
+        self.content_sent += len(delta)
         return delta
 
     def _deltas(self, calls: list[Call]) -> list[dict]:
