@@ -6,7 +6,9 @@
 Every choice is one streamed request to the `llm` model (`n` choices are n requests, seeds
 seed, seed+1, ...), so there is no second engine. Chat messages become a prompt through the
 checkpoint's chat template (frontend/chat_template.py), sent as the token ids transformers'
-apply_chat_template makes of it. Request bodies are validated against
+apply_chat_template makes of it; the tool calls in a chat's answer are read out of it
+(frontend/tool_calls.py), and tool_choice "required" or a named function sends the grammar that
+makes the answer calls. Request bodies are validated against
 the fields below; a field kvforge does not know or cannot honour gets an OpenAI-shaped 400
 naming it (never silently ignored). A client that disconnects cancels its Triton streams.
 Extensions beyond OpenAI's fields, with vLLM's meaning: top_k, min_tokens, repetition_penalty,
@@ -21,29 +23,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Literal
+from typing import AsyncIterator, Callable, Literal
 
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, Json, JsonValue
+from pydantic import BaseModel, ConfigDict, Field, Json, JsonValue, field_validator
 from tritonclient.utils import InferenceServerException
 
 from engines.repository import engine_dir_of
 from frontend.chat_template import ChatTemplate, ChatTemplateError
 from frontend.config import RETRY_AFTER_SECONDS, FrontConfig
 from frontend.json_text import lone_surrogate
+from frontend.tool_calls import (NAME_PATTERN, ToolCalls, ToolFormat, arguments_schema, format_of, message_of,
+                                 strict_schema)
+from frontend.tool_calls import grammar as tool_grammar
 from kvforge import llm_io
 from kvforge.errors import kind_of, quote
 from kvforge.llm_io import Delta
 from kvforge.manifest import Manifest
+from runtime.grammar import CACHE_SIZE, Guide
 from runtime.tokenizer import Tokenizer
 
 MAX_CHOICES = 8  # n per request: each choice occupies an engine slot
@@ -52,6 +59,7 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completion
 MAX_TOOLS = 128  # OpenAI's own limit on tools per request
 MAX_DOCUMENTS = 64
 MAX_TEMPLATE_KWARGS = 32
+TOOL_CHOICES = ("none", "auto", "required")
 # the template's own variables (frontend/chat_template.py passes them): a kwarg may not replace them
 TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token"})
 
@@ -135,14 +143,24 @@ class TextPart(Body):
 
 
 class Function(Body):
-    name: str = Field(min_length=1, max_length=64)
+    name: str = Field(pattern=NAME_PATTERN)
     description: str | None = None
     parameters: dict[str, JsonValue] | None = None  # a JSON Schema object, passed to the template as sent
+    strict: bool | None = None  # a call's arguments follow the schema as OpenAI's strict mode reads it
 
 
 class Tool(Body):
     type: Literal["function"]
     function: Function
+
+
+class FunctionName(Body):
+    name: str
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class FunctionCall(Body):
@@ -183,7 +201,7 @@ class JsonSchemaFormat(Body):
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     schema_: dict[str, JsonValue] = Field(alias="schema")
-    strict: bool | None = None  # the schema is enforced either way: decoding follows it
+    strict: bool | None = None  # true: read as OpenAI's strict mode (objects take no unlisted properties)
 
 
 class ResponseFormat(Body):
@@ -199,12 +217,22 @@ class ChatRequest(Sampling):
     top_logprobs: int | None = Field(None, ge=0)
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
-    # what reaches the chat template, as apply_chat_template passes it; the answer is free text
-    # (tool calls are not parsed out of it)
+    # tools reach the chat template as apply_chat_template passes them; the calls in the answer
+    # are read out of it (frontend/tool_calls.py)
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
-    tool_choice: str | dict | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     documents: list[dict[str, JsonValue]] | None = Field(None, max_length=MAX_DOCUMENTS)
     chat_template_kwargs: dict[str, JsonValue] | None = Field(None, max_length=MAX_TEMPLATE_KWARGS)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def known_tool_choice(cls, value):
+        # a str beside the object in the union: an unknown word's error names tool_choice alone
+        if isinstance(value, str) and value not in TOOL_CHOICES:
+            raise ValueError(f"must be one of {', '.join(TOOL_CHOICES)} or {{\"type\": \"function\", \"function\": "
+                             f"{{\"name\": ...}}}}, got {quote(value)}")
+        return value
 
 
 # ---------------------------------------------------------------------- one choice = one llm stream
@@ -240,18 +268,24 @@ def tensor(name: str, value):
     return infer_input
 
 
-def guide_of(body: Sampling) -> tuple[str, str] | None:
-    """The guide (kind, text) for llm's guided_decoding inputs of whichever field constrains the
-    output: chat's response_format, vLLM's guided_* or structured_outputs; a 400 naming the
-    field when two do (or a response_format is malformed)."""
+def guide_of(body: Sampling, tool_format: ToolFormat | None = None) -> Guide | None:
+    """The guide for llm's guided_decoding inputs of whichever field constrains the output: chat's
+    tool_choice (required or a named function: the calls' grammar in the model's tool_format) or
+    response_format, vLLM's guided_* or structured_outputs; a 400 naming the field when two do,
+    when a response_format is malformed, or when the guide does not compile."""
     given = []  # (field, guide kind, text)
+    tools = tool_guide(body, tool_format) if isinstance(body, ChatRequest) and tool_format is not None else None
+    if tools is not None:
+        given.append(("tool_choice", "ebnf_grammar", tools))
     response_format = getattr(body, "response_format", None)
     if response_format is not None:
         if (response_format.type == "json_schema") != (response_format.json_schema is not None):
             raise APIError(400, "response_format.json_schema goes with type json_schema, and only with it",
                            param="response_format.json_schema")
         if response_format.type == "json_schema":
-            given.append(("response_format", "json_schema", json.dumps(response_format.json_schema.schema_)))
+            schema = response_format.json_schema.schema_
+            given.append(("response_format", "json_schema",
+                          json.dumps(strict_schema(schema) if response_format.json_schema.strict else schema)))
         elif response_format.type == "json_object":
             given.append(("response_format", "json", ""))
     outputs = body.structured_outputs or StructuredOutputs()
@@ -269,11 +303,47 @@ def guide_of(body: Sampling) -> tuple[str, str] | None:
     if len(given) > 1:
         raise APIError(400, f"{given[0][0]} and {given[1][0]} both constrain the output; send one of them",
                        param=given[1][0])
-    return given[0][1:] if given else None
+    if not given:
+        return None
+    name, kind, text = given[0]
+    guide = Guide(kind, text)
+    problem = guide_error(guide)
+    if problem:
+        raise APIError(400, problem, param="response_format.json_schema.schema" if kind == "json_schema" and
+                       name == "response_format" else name)
+    return guide
 
 
-def llm_inputs(prompt: str | list[int], body: Sampling, max_tokens: int, seed: int | None, echo: bool,
-               logprobs: bool) -> list:
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def guide_error(guide: Guide) -> str | None:
+    return guide.error()
+
+
+def tool_guide(body: ChatRequest, tool_format: ToolFormat) -> str | None:
+    """The grammar that makes the answer tool calls and nothing else, for tool_choice "required"
+    (any offered tool; one call, or one or more with parallel_tool_calls) or a named function; a
+    400 naming the tool whose parameters do not compile."""
+    choice = body.tool_choice
+    if not isinstance(choice, NamedToolChoice) and choice != "required":
+        return None
+    functions = [(i, tool.function) for i, tool in enumerate(body.tools or [])
+                 if not isinstance(choice, NamedToolChoice) or tool.function.name == choice.function.name]
+    if not functions:
+        wanted = "tools" if choice == "required" else f"a tool named {quote(choice.function.name)} in tools"
+        raise APIError(400, f"this tool_choice needs {wanted}", param="tool_choice")
+    schemas = []
+    for i, function in functions:
+        schema = arguments_schema(function.parameters, bool(function.strict))
+        problem = guide_error(Guide("json_schema", json.dumps(schema)))
+        if problem:
+            raise APIError(400, f"the parameters of tool {quote(function.name)} do not compile: {problem}",
+                           param=f"tools.{i}.function.parameters")
+        schemas.append((function.name, schema))
+    return tool_grammar(tool_format, schemas, body.parallel_tool_calls)
+
+
+def llm_inputs(prompt: str | list[int], body: Sampling, guide: Guide | None, max_tokens: int, seed: int | None,
+               echo: bool, logprobs: bool) -> list:
     inputs = [tensor("input_ids", prompt) if isinstance(prompt, list) else tensor("text_input", prompt),
               tensor("max_tokens", max_tokens), tensor("stream", True),
               tensor("temperature", body.temperature), tensor("top_p", body.top_p)]
@@ -286,9 +356,8 @@ def llm_inputs(prompt: str | list[int], body: Sampling, max_tokens: int, seed: i
                 ("ignore_eos", True if body.ignore_eos else None),
                 ("exclude_input_in_output", False if echo else None),
                 ("return_log_probs", True if logprobs else None)]
-    guide = guide_of(body)
     if guide is not None:
-        optional += [("guided_decoding_guide_type", guide[0]), ("guided_decoding_guide", guide[1] or None)]
+        optional += [("guided_decoding_guide_type", guide.kind), ("guided_decoding_guide", guide.text or None)]
     return inputs + [tensor(name, value) for name, value in optional if value is not None]
 
 
@@ -308,6 +377,7 @@ class OpenAIServer:
         self.manifest = Manifest.load(engine_dir)
         self.tokenizer = Tokenizer(engine_dir, self.manifest)
         self.chat_template = ChatTemplate(engine_dir)
+        self.tool_format = format_of(self.chat_template.source)
         self._client: grpcclient.InferenceServerClient | None = None
 
     @property
@@ -336,6 +406,15 @@ class OpenAIServer:
                     return
         finally:
             responses.cancel()
+
+    def tool_reader(self, body: ChatRequest) -> Callable[[], ToolCalls] | None:
+        """What reads each choice's answer as content and tool calls (None: the answer is content:
+        no tools, or tool_choice "none")."""
+        if not body.tools or body.tool_choice == "none":
+            return None
+        enforced = body.tool_choice not in (None, "auto")
+        names = {tool.function.name for tool in body.tools}
+        return functools.partial(ToolCalls, self.tool_format, names, enforced)
 
     def check_model(self, body: Sampling) -> None:
         if body.model != self.config.model:
@@ -393,10 +472,7 @@ def refuse_unsupported(body: Sampling) -> None:
 
 
 def refuse_unsupported_chat(body: ChatRequest) -> None:
-    """The chat fields kvforge reads only in part (free-text decoding: nothing forces a tool call)."""
-    if body.tool_choice not in (None, "auto", "none"):
-        raise APIError(400, f"tool_choice {json.dumps(body.tool_choice)} is not supported: kvforge decodes free text "
-                            "and cannot force a tool call; send \"auto\" or \"none\"", param="tool_choice")
+    """chat_template_kwargs may not replace the template's own variables."""
     colliding = sorted(TEMPLATE_VARIABLES & set(body.chat_template_kwargs or {}))
     if colliding:
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(colliding)}: the chat template's own "
@@ -420,8 +496,11 @@ async def until_disconnected(request: Request) -> None:
 class Completion:
     """One /v1 request in flight: its choices' llm streams fanned into one queue."""
 
-    def __init__(self, server: OpenAIServer, kind: str, body: Sampling, choices: list[Choice], logprobs: bool):
+    def __init__(self, server: OpenAIServer, kind: str, body: Sampling, choices: list[Choice], logprobs: bool,
+                 tool_reader: Callable[[], ToolCalls] | None = None):
         self.server, self.kind, self.body, self.choices, self.logprobs = server, kind, body, choices, logprobs
+        self.tool_reader = tool_reader  # chat with tools: each choice's answer is read for calls
+        self.streamed_calls: dict[int, ToolCalls] = {}  # a streaming choice's reader
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -496,10 +575,20 @@ class Completion:
         body = {"index": choice.index, "logprobs": self.logprobs_of(token_ids, logprobs), "finish_reason": finish_reason}
         if self.kind != "chat":
             body["text"] = text
-        elif chunk:
-            body["delta"] = {"role": "assistant", "content": text}
+        elif self.tool_reader is None:
+            body["delta" if chunk else "message"] = {"role": "assistant", "content": text}
         else:
-            body["message"] = {"role": "assistant", "content": text}
+            if chunk:
+                reader = self.streamed_calls.setdefault(choice.index, self.tool_reader())
+                content, calls = reader.feed(text, finished=finish_reason is not None)
+                content = content or (None if calls else "")
+            else:
+                reader = self.tool_reader()
+                content, calls = message_of(reader, text)
+            body["delta" if chunk else "message"] = {"role": "assistant", "content": content,
+                                                     **({"tool_calls": calls} if calls else {})}
+            if reader.called and finish_reason == "stop":
+                body["finish_reason"] = "tool_calls"
         return body
 
     def final(self) -> dict:
@@ -597,7 +686,9 @@ def create_openai_app(config: FrontConfig) -> FastAPI:
         logprobs = body.logprobs is not None
 
         def choices() -> list[Choice]:
-            return [Choice(p * body.n + j, p, llm_inputs(prompt, body, server.max_tokens(prompt, body.max_tokens),
+            guide = guide_of(body)
+            return [Choice(p * body.n + j, p, llm_inputs(prompt, body, guide,
+                                                         server.max_tokens(prompt, body.max_tokens),
                                                          seed_of(body, j), body.echo, logprobs))
                     for p, prompt in enumerate(prompts) for j in range(body.n)]
 
@@ -614,12 +705,15 @@ def create_openai_app(config: FrontConfig) -> FastAPI:
 
         def choices() -> list[Choice]:
             prompt = server.chat_prompt(body)
+            guide = guide_of(body, server.tool_format)
             max_tokens = server.max_tokens(prompt, body.max_completion_tokens or body.max_tokens)
-            return [Choice(j, 0, llm_inputs(prompt, body, max_tokens, seed_of(body, j), False, body.logprobs))
+            return [Choice(j, 0, llm_inputs(prompt, body, guide, max_tokens, seed_of(body, j), False, body.logprobs))
                     for j in range(body.n)]
 
-        # rendering the template and tokenizing are off the event loop, which relays every other stream's tokens
-        return await Completion(server, "chat", body, await asyncio.to_thread(choices), body.logprobs).respond(request)
+        # rendering the template, checking a guide and tokenizing are off the event loop, which relays every
+        # other stream's tokens
+        return await Completion(server, "chat", body, await asyncio.to_thread(choices), body.logprobs,
+                                server.tool_reader(body)).respond(request)
 
     return app
 

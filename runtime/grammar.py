@@ -87,6 +87,18 @@ class Guide:
             raise RequestError(f"the {self.kind} guide is invalid: {str(e)[:MAX_ERROR_CHARS]}") from None
 
 
+    def error(self) -> str | None:
+        """Why the guide does not compile (None if it does), checked without a tokenizer in a few
+        ms: the OpenAI front names the request's field before the engine sees it. What only the
+        tokenizer can tell (a lexer past LIMITS) the engine still says when it compiles."""
+        try:
+            self.check()
+            problem = llguidance.LLMatcher.validate_grammar(self.grammar())
+        except RequestError as e:
+            return str(e)
+        return f"the {self.kind} guide is invalid: {problem[:MAX_ERROR_CHARS]}" if problem else None
+
+
 def choices(text: str) -> list[str]:
     try:
         values = json.loads(text)

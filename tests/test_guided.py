@@ -235,7 +235,10 @@ def test_vllm_guided_fields_on_completions_and_chat(client):
     (dict(response_format={"type": "json_schema"}), "response_format.json_schema", "goes with type json_schema"),
     (dict(response_format={"type": "yaml"}), "response_format.type", "response_format.type"),
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
-     None, "the json_schema guide is invalid"),
+     "response_format.json_schema.schema", "the json_schema guide is invalid"),
+    (dict(extra_body={"guided_json": {"type": "nonsense"}}), "guided_json", "the json_schema guide is invalid"),
+    (dict(extra_body={"structured_outputs": {"regex": "(unclosed"}}), "structured_outputs.regex",
+     "the regex guide is invalid"),
 ])
 def test_bad_or_conflicting_guides_are_a_400_and_the_server_keeps_serving(client, call, param, message):
     with pytest.raises(openai.BadRequestError) as error:

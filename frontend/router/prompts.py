@@ -57,8 +57,10 @@ class Prompts:
         but the last generated one (sampled, never fed back)."""
         return self.prompt(prompt.ids + generated[:-1], prompt.salt)
 
-    def generated_ids(self, text: str) -> list[int]:
-        """The tokens of a completion's text (an OpenAI response carries text, not ids)."""
+    def generated_ids(self, text: str, tool_calls: list[tuple[str, str]]) -> list[int]:
+        """The tokens of a completion's text and tool calls (an OpenAI response carries text and
+        calls, not ids: the calls as the model's format writes them)."""
+        text += self.openai.tool_format.write(tool_calls)
         return self.openai.tokenizer.encode(text, add_special_tokens=False) if text else []
 
     def of_text(self, text: str | list[int], salt: bytes | None) -> Prompt:

@@ -33,10 +33,11 @@ class ResponseScanner:
     """What a response tells the router as it passes by (a whole body, or SSE events as they
     come): the cached prompt tokens it reports (llm's cached_tokens, OpenAI's
     usage.prompt_tokens_details; the last report counts) and what it generated (llm's
-    output_ids, else the text of OpenAI's first choice)."""
+    output_ids, else the text and tool calls of OpenAI's first choice)."""
 
     def __init__(self):
         self.pending, self.cached, self.ids, self.text = b"", None, [], ""
+        self.calls: dict[int, list[str]] = {}  # a tool call's index -> [name, arguments], as they stream
         self.whole = True  # every event was read (a skipped one leaves a gap in what it generated)
 
     def feed(self, chunk: bytes) -> None:
@@ -66,6 +67,23 @@ class ResponseScanner:
                 message = choice.get("delta") or choice.get("message") or {}
                 part = choice.get("text") or (message.get("content") if isinstance(message, dict) else None)
                 self.text += part if isinstance(part, str) else ""
+                calls = message.get("tool_calls") if isinstance(message, dict) else None
+                for position, call in enumerate(calls if isinstance(calls, list) else []):
+                    self.add_call(position, call)
+
+    def add_call(self, position: int, call) -> None:
+        """A whole call (message.tool_calls, in order) or a streamed piece of one (delta.tool_calls,
+        by index)."""
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            return
+        entry = self.calls.setdefault(call.get("index", position), ["", ""])
+        for i, key in enumerate(("name", "arguments")):
+            entry[i] += function[key] if isinstance(function.get(key), str) else ""
+
+    @property
+    def tool_calls(self) -> list[tuple[str, str]]:
+        return [(name, arguments) for _, (name, arguments) in sorted(self.calls.items())]
 
 
 @dataclass
@@ -162,7 +180,7 @@ class Relay:
             if scanner.cached is not None:  # predicted vs actual, over the responses that report it
                 replica.predicted_tokens += predicted
                 replica.cached_tokens += scanner.cached
-            generated = scanner.ids or self.prompts.generated_ids(scanner.text)
+            generated = scanner.ids or self.prompts.generated_ids(scanner.text, scanner.tool_calls)
             if generated and scanner.whole and len(prompts) == 1 and replica.ready:  # the next turn's history
                 replica.remember([self.prompts.answered(prompts[0], generated)])
 
