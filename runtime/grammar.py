@@ -86,7 +86,6 @@ class Guide:
                 raise
             raise RequestError(f"the {self.kind} guide is invalid: {str(e)[:MAX_ERROR_CHARS]}") from None
 
-
     def error(self) -> str | None:
         """Why the guide does not compile (None if it does), checked without a tokenizer in a few
         ms: the OpenAI front names the request's field before the engine sees it. What only the
