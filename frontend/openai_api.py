@@ -12,9 +12,9 @@ makes the answer calls. Request bodies are validated against
 the fields below; a field kvforge does not know or cannot honour gets an OpenAI-shaped 400
 naming it (never silently ignored). A client that disconnects cancels its Triton streams.
 Extensions beyond OpenAI's fields, with vLLM's meaning: top_k, min_tokens, repetition_penalty,
-ignore_eos, min_p, allowed_token_ids, stop_token_ids, cache_salt (reaches the prefix cache's salt), the guided_* fields and structured_outputs
-(constrained decoding, as chat's response_format: `guide_of`), kvforge's speculative ("ngram" / "off"),
-and skip_special_tokens /
+ignore_eos, min_p, allowed_token_ids, stop_token_ids, cache_salt (reaches the prefix cache's
+salt), the guided_* fields and structured_outputs (constrained decoding, as chat's
+response_format: `guide_of`), kvforge's speculative ("ngram" / "off"), and skip_special_tokens /
 include_stop_str_in_output at the one value kvforge implements (true / false). An error of the
 llm model gets its kind's status (kvforge/errors.py); a message without a kind's prefix (what
 the model or Triton refuses) is the request's fault: 400.
@@ -479,7 +479,7 @@ def render_chat(template: ChatTemplate, body: ChatRequest) -> str:
 
 
 def refuse_unsupported(body: Sampling) -> None:
-    """Fields whose only value kvforge can honour is their default."""
+    """Fields whose only value kvforge can honour is their default, and one that needs another."""
     if not body.skip_special_tokens:
         raise APIError(400, "skip_special_tokens must be true: kvforge's text never holds special tokens",
                        param="skip_special_tokens")

@@ -41,6 +41,8 @@ STRING = JsonType("a string", lambda v: isinstance(v, str))
 STRINGS = JsonType("a string or a list of strings",
                    lambda v: isinstance(v, str) or isinstance(v, list) and all(isinstance(s, str) for s in v))
 BOOL = JsonType("true or false", lambda v: isinstance(v, bool))
+
+
 def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 

@@ -8,8 +8,9 @@ its grammar forbids), then temperature, min-p (vLLM's: tokens below min_p times 
 one's probability go), top-k and top-p. Requested log-probs, the chosen token's and the
 top_logprobs most likely ones, are the log-softmax of the model's own logits (before any of
 that, like vLLM's default `raw_logprobs`), so they measure the model, not the sampling settings:
-a token the request's bias, mask or guide forbids may be among the most likely. Stop strings are matched on the detokenized text; `stop_hold_back`
-tells the streamer how much of the text's tail could still turn into a stop string.
+a token the request's bias, mask or guide forbids may be among the most likely. Stop strings
+are matched on the detokenized text; `stop_hold_back` tells the streamer how much of the text's
+tail could still turn into a stop string.
 """
 from __future__ import annotations
 
@@ -106,7 +107,8 @@ class SamplingParams:
         _check_ids([token for token, _ in self.logit_bias], "logit_bias")
         for token, bias in self.logit_bias:
             if not _finite(bias) or abs(bias) > MAX_BIAS:
-                raise RequestError(f"logit_bias of token {token} must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {bias!r}")
+                raise RequestError(f"logit_bias of token {token} must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], "
+                                   f"got {bias!r}")
         _check_ids(self.allowed_token_ids, "allowed_token_ids")
         if self.speculative not in (None, "off", "ngram"):
             raise RequestError(f"speculative must be 'ngram' or 'off', got {quote(self.speculative)}")

@@ -138,7 +138,8 @@ class Sequence:
         if not params.logprobs:
             return token, None, None
         logprobs = log_softmax(logits)
-        return token, float(logprobs[token]), top_logprobs(logprobs, params.top_logprobs) if params.top_logprobs else None
+        top = top_logprobs(logprobs, params.top_logprobs) if params.top_logprobs else None
+        return token, float(logprobs[token]), top
 
     def draft(self, k: int) -> list[int]:
         """Up to k tokens drafted from its own context (speculation), cut before the first its

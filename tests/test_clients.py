@@ -299,7 +299,8 @@ def test_log_probs_are_the_log_softmax_of_the_logits(triton, tokenizer):
 def test_top_log_probs_min_p_logit_bias_and_token_id_lists(triton):
     greedy = ids_of(generate(triton))
     responses = generate(triton, logprobs=3)  # > 0 implies return_log_probs
-    assert ids_of(responses) == greedy and responses[0]["output_top_token_ids"].shape == (1, 1, len(ids_of(responses[:1])), 3)
+    assert ids_of(responses) == greedy
+    assert responses[0]["output_top_token_ids"].shape == (1, 1, len(ids_of(responses[:1])), 3)
     top_ids = np.concatenate([r["output_top_token_ids"].reshape(-1, 3) for r in responses])
     top = np.concatenate([r["output_top_log_probs"].reshape(-1, 3) for r in responses])
     chosen = np.concatenate([r["output_log_probs"].reshape(-1) for r in responses])

@@ -63,7 +63,8 @@ ASKED_FOR = {"cum_log_probs": "logprobs", "output_log_probs": "logprobs",
 def top_array(out: RequestOutput, part: int) -> np.ndarray:
     """[1 beam, tokens, k] of the tokens' top ids (part 0) or log-probs (part 1)."""
     k = len(out.top_logprobs[0]) if out.top_logprobs else 0
-    return np.array([[[pair[part] for pair in top] for top in out.top_logprobs]]).reshape(1, 1, len(out.top_logprobs), k)
+    values = [[pair[part] for pair in top] for top in out.top_logprobs]
+    return np.array(values).reshape(1, 1, len(values), k)
 
 
 def response(out: RequestOutput, echo: str = "", names=ALL_OUTPUTS):

@@ -63,7 +63,8 @@ def known(options: dict) -> dict:
     readable = {*SAMPLING, *WORDS, *TOKEN_IDS, GUIDED}
     unknown = sorted(set(options) - readable)
     if unknown:
-        raise RequestError(f"unknown sampling parameters {', '.join(unknown)}; {NAME} reads {', '.join(sorted(readable))}")
+        raise RequestError(f"unknown sampling parameters {', '.join(unknown)}; {NAME} reads "
+                           f"{', '.join(sorted(readable))}")
     return options
 
 
