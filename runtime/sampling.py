@@ -104,7 +104,10 @@ class SamplingParams:
             raise RequestError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise RequestError(f"logit_bias holds at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
-        _check_ids([token for token, _ in self.logit_bias], "logit_bias")
+        biased = [token for token, _ in self.logit_bias]
+        _check_ids(biased, "logit_bias")
+        if len(set(biased)) < len(biased):  # one bias per token: numpy would apply only the last
+            raise RequestError(f"logit_bias names token {next(t for t in biased if biased.count(t) > 1)} twice")
         for token, bias in self.logit_bias:
             if not _finite(bias) or abs(bias) > MAX_BIAS:
                 raise RequestError(f"logit_bias of token {token} must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], "
@@ -192,7 +195,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 def top_logprobs(logprobs: np.ndarray, k: int) -> list[tuple[int, float]]:
     """The k most likely tokens of a log_softmax row and their log-probs, most likely first
     (equal log-probs in token order)."""
-    head = np.argpartition(-logprobs, k - 1)[:k]
+    head = np.argpartition(logprobs, -k)[-k:]  # no negated copy of the row
     head = head[np.lexsort((head, -logprobs[head]))]
     return [(int(t), float(logprobs[t])) for t in head]
 

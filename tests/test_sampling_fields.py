@@ -79,6 +79,7 @@ def test_top_logprobs_are_the_raw_models_and_only_for_rows_that_ask(engine, fp32
     ({"logit_bias": ((1, 101.0),)}, r"logit_bias of token 1 must be in \[-100, 100\]"),
     ({"logit_bias": tuple((t, 1.0) for t in range(301))}, "logit_bias holds at most 300 tokens"),
     ({"logit_bias": ((99999, 1.0),)}, r"logit_bias names token 99999, which is not in the vocabulary"),
+    ({"logit_bias": ((3, 1.0), (3, 2.0))}, "logit_bias names token 3 twice"),
     ({"allowed_token_ids": (-1,)}, "allowed_token_ids holds -1, which is no token id"),
     ({"allowed_token_ids": (99999,)}, "allowed_token_ids names token 99999"),
     ({"stop_token_ids": (99999,)}, "stop_token_ids names token 99999"),
