@@ -19,7 +19,9 @@ class Greedy:
         self.runner = runner
         self.prompts = [list(p) for p in prompts]
         self.lengths = np.array([len(p) for p in prompts], np.int64)
-        longest = int(self.lengths.max())
+        self.tokens = [list(p) for p in prompts]  # each row's tokens so far (a longrope row may feed them again)
+        self.original = runner.manifest.model.longrope_original
+        longest = int(self.lengths.max()) + (self.original or 0)  # room for a recomputed row's one wide step
         runner.allocate(len(prompts), runner.bucket_for(min(longest + max_new_tokens, runner.manifest.max_seq_len)))
         self.last: np.ndarray | None = None  # logits of each row's newest position [rows, vocab]
 
@@ -43,8 +45,21 @@ class Greedy:
         return self.last.argmax(-1)
 
     def step(self, tokens: np.ndarray | None = None) -> np.ndarray:
+        """Feed one token per row. A longrope row whose token passes the original length
+        (kvforge.manifest.LONGROPE_RULE) feeds all its tokens again from position 0, on the long
+        factors, as transformers' generate() recomputes its cache there."""
         tokens = self.next_tokens if tokens is None else np.asarray(tokens, np.int64)
-        self.last = self.runner.step(tokens[:, None], self.lengths, np.ones(len(tokens), np.int64))[:, 0]
+        for row, token in zip(self.tokens, tokens):
+            row.append(int(token))
+        restart = self.lengths == self.original if self.original is not None else np.zeros(len(tokens), bool)
+        if not restart.any():
+            self.last = self.runner.step(tokens[:, None], self.lengths, np.ones(len(tokens), np.int64))[:, 0]
+        else:
+            num_new = np.where(restart, self.lengths + 1, 1)
+            ids = np.zeros((len(tokens), int(num_new.max())), np.int64)
+            for r, row in enumerate(self.tokens):
+                ids[r, :num_new[r]] = row[-num_new[r]:]
+            self.last = self.runner.step(ids, np.where(restart, 0, self.lengths), num_new, last_positions(num_new))[:, 0]
         self.lengths = self.lengths + 1
         return self.last
 
