@@ -69,12 +69,15 @@ def hf_logits(model, tokens: list[int]) -> np.ndarray:
 
 def prompt_lengths(manifest: Manifest, steps: int) -> tuple[int, ...]:
     """PROMPT_LENGTHS, and for longrope one prompt past original_max_position_embeddings and one
-    that decodes past it within `steps` (kvforge.manifest.LONGROPE_RULE), where they fit."""
+    that decodes past it within `steps` (kvforge.manifest.LONGROPE_RULE) when the engine's
+    max_seq_len holds them."""
+    from runtime.greedy import capacity_needed
+
     original = manifest.model.longrope_original
     if original is None:
         return PROMPT_LENGTHS
-    switching = (original + 1, max(1, original + 1 - steps // 2))
-    return PROMPT_LENGTHS + tuple(n for n in switching if n + steps + original <= manifest.max_seq_len)
+    lengths = PROMPT_LENGTHS + (original + 1, max(1, original + 1 - steps // 2))
+    return lengths if capacity_needed(original, lengths, steps) <= manifest.max_seq_len else PROMPT_LENGTHS
 
 
 def verify(directory: Path, steps: int = 32, seed: int = 0) -> Report:

@@ -21,8 +21,8 @@ class Greedy:
         self.lengths = np.array([len(p) for p in prompts], np.int64)
         self.tokens = [list(p) for p in prompts]  # each row's tokens so far (a longrope row may feed them again)
         self.original = runner.manifest.model.longrope_original
-        longest = int(self.lengths.max()) + (self.original or 0)  # room for a recomputed row's one wide step
-        runner.allocate(len(prompts), runner.bucket_for(min(longest + max_new_tokens, runner.manifest.max_seq_len)))
+        needed = capacity_needed(self.original, self.lengths, max_new_tokens)
+        runner.allocate(len(prompts), runner.bucket_for(min(needed, runner.manifest.max_seq_len)))
         self.last: np.ndarray | None = None  # logits of each row's newest position [rows, vocab]
 
     def prefill(self, every_position: bool = True) -> np.ndarray:
@@ -62,6 +62,15 @@ class Greedy:
             self.last = self.runner.step(ids, np.where(restart, 0, self.lengths), num_new, last_positions(num_new))[:, 0]
         self.lengths = self.lengths + 1
         return self.last
+
+
+def capacity_needed(original: int | None, lengths, max_new_tokens: int) -> int:
+    """Cache positions Greedy's steps may reach: the longest prompt and its new tokens, plus for
+    longrope (original: its original length) the wide step of each row that may be recomputed
+    (concat's columns add up)."""
+    lengths = np.asarray(lengths)
+    restarts = 0 if original is None else int((lengths <= original).sum()) * (original + 1)
+    return int(lengths.max()) + restarts + max_new_tokens
 
 
 def greedy_tokens(runner: Runner, prompt: list[int], max_tokens: int, stop: set[int] = frozenset()) -> list[int]:

@@ -420,6 +420,16 @@ def test_longrope_long_prompt_chunked_and_cached(family_exports, checkpoints, fa
     assert chunks >= LONG_PROMPT // 8
 
 
+@pytest.mark.parametrize("layout", ["inplace", "concat"])
+def test_longrope_verify_runs_past_the_switch(family_exports, layout):
+    """export.verify adds a prompt past the original length and one that decodes past it, and the
+    runner's recompute there keeps every logit within tolerance of transformers' recompute."""
+    from export.verify import verify
+
+    report = verify(family_exports("phi3.5-longrope", layout), steps=32)
+    assert report.rows == 5 and report.passed, report
+
+
 def test_concat_windows_count_positions_across_a_shorter_rows_gap(family_exports, checkpoints):
     """Concat rows step together, so a shorter prompt's row has padding columns between its prompt
     and its generated tokens: its window counts token positions (attention_mask's running count),
