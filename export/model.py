@@ -624,7 +624,7 @@ class CausalLM(nn.Module):
             step = InplaceStep(write_positions, row_tokens, attention_extent, token_slots)
             input_ids, position_ids = input_ids[None], positions[None]  # one row of packed tokens
         long = None
-        if original is not None:  # prompt_lengths: [B] (concat) or [T] (inplace), read as LONGROPE_RULE says
+        if original is not None:  # prompt_lengths: [B] (concat) or [T] (inplace), read as ModelSpec.long_factors says
             prompt_lengths, *cache = rest
             long = (prompt_lengths[:, None] if self.layout == "concat" else prompt_lengths[None]) > original
             long = long.expand(position_ids.shape)

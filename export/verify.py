@@ -69,7 +69,7 @@ def hf_logits(model, tokens: list[int]) -> np.ndarray:
 
 def prompt_lengths(manifest: Manifest, steps: int) -> tuple[int, ...]:
     """PROMPT_LENGTHS, and for longrope one prompt past original_max_position_embeddings and one
-    that decodes past it within `steps` (kvforge.manifest.LONGROPE_RULE) when the engine's
+    that decodes past it within `steps` (kvforge.manifest.ModelSpec.long_factors) when the engine's
     max_seq_len holds them."""
     from runtime.greedy import capacity_needed
 

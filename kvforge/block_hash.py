@@ -25,7 +25,8 @@ PLACEMENT_BLOCKS = 16
 def root_hash(namespace: bytes, salt: bytes | None, long_factors: bool = False) -> bytes:
     """The chain's parent for block 0: the namespace, and the salt when there is one; long_factors
     (a prompt on longrope's long factors) hashes in a domain of its own."""
-    h = hashlib.blake2b(namespace, digest_size=HASH_BYTES, person=b"kvforge-rootlong" if long_factors else b"kvforge-root")
+    person = b"kvforge-rootlong" if long_factors else b"kvforge-root"
+    h = hashlib.blake2b(namespace, digest_size=HASH_BYTES, person=person)
     if salt:
         h.update(len(salt).to_bytes(4, "little") + salt)
     return h.digest()

@@ -46,20 +46,20 @@ ROPE_SCALINGS = {
     "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
              "attention_factor", "truncate"),
     # Phi-3/3.5/4-mini: per-channel divisors of the frequencies, short_factor while a sequence fits
-    # original_max_position_embeddings, long_factor beyond (LONGROPE_RULE), cos/sin x one attention factor
+    # original_max_position_embeddings, long_factor beyond (ModelSpec.long_factors), cos/sin x one attention factor
     "longrope": ("short_factor", "long_factor", "original_max_position_embeddings", "factor", "attention_factor"),
 }
-# Which of longrope's two factor lists a row's RoPE uses. transformers picks one per forward call
-# from max(position_ids) + 1, and its generate() recomputes a sequence's whole cache in one call
-# when the sequence first passes original_max_position_embeddings (Phi3ForCausalLM.
-# prepare_inputs_for_generation), so every key it attends over always has the factors of its
-# query: short while the sequence fits the original length, long beyond. kvforge does the same
-# per row: a row runs on the long factors when its prompt is longer than the original length
-# (every chunk of it, from the first), and a row that decodes past it is recomputed once from its
-# tokens with the long factors (the scheduler; runtime.greedy alone too). The graph reads the
-# length the choice is made from per row (prompt_lengths); the prefix cache's hash chain starts
-# from the choice (kvforge/block_hash.py), so short- and long-factor K/V never serve each other.
-LONGROPE_RULE = "long iff the row's prompt, or the sequence it was recomputed at, is longer than original_max_position_embeddings"
+# The longrope rule (ModelSpec.long_factors): which of the two factor lists a row's RoPE uses.
+# transformers picks one per forward call from max(position_ids) + 1, and its generate()
+# recomputes a sequence's whole cache in one call when the sequence first passes
+# original_max_position_embeddings (Phi3ForCausalLM.prepare_inputs_for_generation), so every key
+# it attends over always has the factors of its query: short while the sequence fits the original
+# length, long beyond. kvforge does the same per row: a row runs on the long factors when its
+# prompt is longer than the original length (every chunk of it, from the first), and a row that
+# decodes past it is recomputed once from its tokens with the long factors (the scheduler;
+# runtime.greedy alone too). The graph reads the length the choice is made from per row
+# (prompt_lengths); the prefix cache's hash chain starts from the choice (kvforge/block_hash.py),
+# so short- and long-factor K/V never serve each other.
 LONGROPE_ARCHITECTURES = ("Phi3ForCausalLM",)
 MLA_ROPE_SCALINGS = ("yarn",)  # DeepSeek's softmax scale follows yarn's mscale: the others are not checked there
 # Families whose layers slide only with use_sliding_window (and only those layer_types names),
@@ -251,13 +251,15 @@ class ModelSpec:
 
     @property
     def longrope_original(self) -> int | None:
-        """longrope's original_max_position_embeddings, where its factors switch (LONGROPE_RULE); None: no longrope."""
+        """longrope's original_max_position_embeddings, where its factors switch (long_factors); None: no longrope."""
         return self.rope_scaling["original_max_position_embeddings"] if self.rope_type == "longrope" else None
 
-    def long_factors(self, prompt_tokens: int) -> bool:
-        """Whether a prompt of this length runs on longrope's long factors (LONGROPE_RULE): it is part
-        of the prefix cache's hash chain, as K/V of the short factors differ from the long ones'."""
-        return self.longrope_original is not None and prompt_tokens > self.longrope_original
+    def long_factors(self, length: int) -> bool:
+        """The longrope rule (the comment at LONGROPE_ARCHITECTURES): whether a row runs on the long
+        factors, from its prompt's length, or its sequence's when it was recomputed past the original
+        length (Sequence.rope_length). The graph applies it to prompt_lengths; it is part of the
+        prefix cache's hash chain, as K/V of the short factors differ from the long ones'."""
+        return self.longrope_original is not None and length > self.longrope_original
 
     @property
     def output_bias(self) -> bool:
@@ -632,7 +634,7 @@ def io_tensors(spec: ModelSpec, layout: str, dtype: str) -> tuple[list[TensorSpe
     logit_index (generation: each sampling row's last token). The runner builds all of it from a
     right-padded batch (runtime/runners/ort.py, pack_step).
     longrope (Phi-3/4): prompt_lengths, after the layout's inputs, gives each row's length its
-    factors are chosen from (LONGROPE_RULE: the prompt's, or the sequence's it was recomputed at),
+    factors are chosen from (ModelSpec.long_factors: the prompt's, or the sequence's it was recomputed at),
     per row (concat, [batch]) or per token, its row's (inplace, [tokens]); the manifest lists it
     for longrope models only.
     MLA: one tensor per layer, past_key_values.{i}.latent -> present.{i}.latent, [batch, 1, T, r + dr];

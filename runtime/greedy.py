@@ -46,7 +46,7 @@ class Greedy:
 
     def step(self, tokens: np.ndarray | None = None) -> np.ndarray:
         """Feed one token per row. A longrope row whose token passes the original length
-        (kvforge.manifest.LONGROPE_RULE) feeds all its tokens again from position 0, on the long
+        (kvforge.manifest.ModelSpec.long_factors) feeds all its tokens again from position 0, on the long
         factors, as transformers' generate() recomputes its cache there."""
         tokens = self.next_tokens if tokens is None else np.asarray(tokens, np.int64)
         for row, token in zip(self.tokens, tokens):
@@ -59,7 +59,8 @@ class Greedy:
             ids = np.zeros((len(tokens), int(num_new.max())), np.int64)
             for r, row in enumerate(self.tokens):
                 ids[r, :num_new[r]] = row[-num_new[r]:]
-            self.last = self.runner.step(ids, np.where(restart, 0, self.lengths), num_new, last_positions(num_new))[:, 0]
+            self.last = self.runner.step(ids, np.where(restart, 0, self.lengths), num_new,
+                                         last_positions(num_new))[:, 0]
         self.lengths = self.lengths + 1
         return self.last
 

@@ -287,7 +287,7 @@ class Scheduler:
     def _pass_longrope_original(self) -> None:
         """A longrope row on the short factors whose next token passes original_max_position_embeddings
         is recomputed from its tokens on the long ones, as transformers' generate() recomputes its
-        cache there (kvforge.manifest.LONGROPE_RULE): it goes back to the front of the queue without
+        cache there (kvforge.manifest.ModelSpec.long_factors): it goes back to the front of the queue without
         its KV, its chain hashes restart from the long factors' root, and it prefills again."""
         original = self.kv.rows.runner.manifest.model.longrope_original
         if original is None:
@@ -300,7 +300,7 @@ class Scheduler:
             self.waiting.appendleft(seq)
             self.counters["longrope_recomputes"] += 1
 
-    def longrope_room(self, seq: Sequence) -> int:
+    def _longrope_room(self, seq: Sequence) -> int:
         """Drafted tokens seq may verify in one step without passing longrope's original length on
         the short factors (the step after recomputes it first: _pass_longrope_original)."""
         original = self.kv.rows.runner.manifest.model.longrope_original
@@ -345,7 +345,7 @@ class Scheduler:
         if len(self.running) > self.speculation.max_rows or not any(s.ngrams for s in self.running):
             return None
         room = min(room, self.kv.rows.capacity - max(s.num_cached for s in self.running))
-        drafts = [s.draft(min(s.draft_limit, s.max_tokens_total - len(s.tokens) - 1, room - 1, self.longrope_room(s)))
+        drafts = [s.draft(min(s.draft_limit, s.max_tokens_total - len(s.tokens) - 1, room - 1, self._longrope_room(s)))
                   if s.ngrams and s.num_output >= s.draft_resumes else [] for s in self.running]
         if not any(drafts):
             return None

@@ -81,7 +81,7 @@ class Sequence:
     draft_misses: int = 0  # its drafts in a row that failed outright
     draft_resumes: int = 0  # the output length from which it drafts again
     # longrope: the sequence's length when it passed original_max_position_embeddings and was
-    # recomputed on the long factors (kvforge.manifest.LONGROPE_RULE); None: its prompt's decides
+    # recomputed on the long factors (kvforge.manifest.ModelSpec.long_factors); None: its prompt's decides
     recomputed_at: int | None = None
 
     def __post_init__(self):

@@ -31,7 +31,7 @@ class Batch:
     num_new: np.ndarray  # [rows]
     drafts: np.ndarray  # [rows]: of its num_new, the drafted tokens a row verifies (runtime/speculation.py)
     # [rows]: the length a longrope model picks each row's factors from (Sequence.rope_length,
-    # LONGROPE_RULE in kvforge/manifest.py: a prompt prefilled in chunks keeps its long factors);
+    # ModelSpec.long_factors in kvforge/manifest.py: a prompt prefilled in chunks keeps its long factors);
     # None: the runner's default
     prompt_lengths: np.ndarray | None = None
 
@@ -93,15 +93,15 @@ class Runner(ABC):
         """Run rows 0..len(input_ids)-1: input_ids [rows, S] (right-padded), write_positions [rows]
         (tokens already cached per row), num_new [rows] (real tokens per row, <= S), logit_positions
         [rows, K] (indices into S whose logits are wanted; None = all S, as scoring needs;
-        generation passes Batch.logit_positions), prompt_lengths [rows] (each row's prompt length:
-        a longrope model's factor choice, rope_lengths). Returns logits [rows, K, vocab] float32;
+        generation passes Batch.logit_positions), prompt_lengths [rows] (the length each row's
+        longrope factors are chosen from: rope_lengths). Returns logits [rows, K, vocab] float32;
         row b's cache now holds write_positions[b] + num_new[b]."""
 
     def rope_lengths(self, write_positions: np.ndarray, num_new: np.ndarray,
                      prompt_lengths: np.ndarray | None) -> np.ndarray | None:
         """The graph's prompt_lengths per row for a longrope model (None for any other). By default
         each row's length after the step: transformers' choice for a call that feeds the row's whole
-        prompt, or decodes (LONGROPE_RULE; a caller decoding past the original length recomputes
+        prompt, or decodes (ModelSpec.long_factors; a caller decoding past the original length recomputes
         the row, as runtime.greedy does); the engine passes Sequence.rope_length, so a prompt
         prefilled in chunks takes the factors its full length picks from its first chunk on."""
         if self.manifest.model.longrope_original is None:
