@@ -413,6 +413,12 @@ def test_longrope_long_prompt_chunked_and_cached(family_exports, checkpoints, fa
         first, again = (engine.generate([long_prompt], params)[0] for _ in range(2))
         short_again = engine.generate([prompt], SamplingParams(max_tokens=1))[0]
         chunks = engine.stats()["prefill_steps"]
+        # one batch, each row on its own factors: the short prompt recomputed when it passes the
+        # original length (its n-gram drafts never cross it on the short factors), the long one not
+        drafting = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, speculative="ngram")
+        together = engine.generate([prompt, long_prompt], drafting)
+        recomputes = engine.stats()["longrope_recomputes"]
+    assert [r.token_ids for r in together] == [tokens, expected] and recomputes == 1
     assert first.cached_tokens == 0 and first.token_ids == expected
     assert max(abs(a - b) for a, b in zip(first.logprobs, logprobs)) <= LOGPROB_TOLERANCE
     assert again.cached_tokens == 32 and again.token_ids == expected  # its own blocks, long factors
