@@ -296,6 +296,7 @@ class Scheduler:
             self.kv.preempt(seq, recompute=True)
             seq.recomputed_at = len(seq.tokens)
             seq.block_hashes.clear()
+            seq.tiers_checked = False  # its blocks under the long root may be on disk / Redis
             seq.status = Status.WAITING
             self.waiting.appendleft(seq)
             self.counters["longrope_recomputes"] += 1
