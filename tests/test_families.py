@@ -2,7 +2,9 @@
 (q/k norms, linear RoPE) and SmolLM3 (NoPE layers), as tiny Hugging Face checkpoints with random
 weights, exported in both layouts and run by the in-process engine against transformers'
 generate(); Mistral's and Qwen2's sliding windows as transformers applies them, generating past
-them; Gemma 2, Gemma 3 (text) and Phi-3 (fused projections, partial RoPE); instruct checkpoints
+them; Gemma 2, Gemma 3 (text) and Phi-3 (fused projections, partial RoPE); Phi-3.5 and Phi-4-mini
+LongRoPE (short/long factors per row, recomputed past the original length as generate() does,
+kept across chunked prefill and in the prefix cache's hash chain); instruct checkpoints
 with the public chat templates of Llama 3.1, Qwen3 and Gemma 3 (generation_config.json's stop ids,
 chat_template.jinja, the prompt ids apply_chat_template makes, served through Triton)."""
 from __future__ import annotations
