@@ -326,7 +326,8 @@ class LLMEngine:
         scheduler measures the whole step, from scheduling it to its outputs, copies included, not
         the runner alone."""
         copies.run()  # rows moved and resized, prefix hits and swapped-out rows copied in
-        logits = self.runner.step(batch.input_ids, batch.write_positions, batch.num_new, batch.logit_positions)
+        logits = self.runner.step(batch.input_ids, batch.write_positions, batch.num_new, batch.logit_positions,
+                                  batch.prompt_lengths)
         with self._cond:
             outputs, copies = self.scheduler.postprocess(batch, logits)
         copies.run()  # finished rows refilled, the buffers shrunk

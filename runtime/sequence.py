@@ -86,6 +86,9 @@ class Sequence:
     draft_tried: int = 0  # drafted tokens verified after a held one
     draft_misses: int = 0  # its drafts in a row that failed outright
     draft_resumes: int = 0  # the output length from which it drafts again
+    # longrope: the sequence's length when it passed original_max_position_embeddings and was
+    # recomputed on the long factors (kvforge.manifest.ModelSpec.long_factors); None: its prompt's decides
+    recomputed_at: int | None = None
 
     def __post_init__(self):
         self.tokens = list(self.prompt_ids)
@@ -100,6 +103,11 @@ class Sequence:
     @property
     def num_prompt(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def rope_length(self) -> int:
+        """The length a longrope model picks this sequence's factors from (Batch.prompt_lengths)."""
+        return self.recomputed_at or self.num_prompt
 
     @property
     def num_output(self) -> int:
