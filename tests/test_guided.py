@@ -224,6 +224,10 @@ def test_speculation_gives_a_guided_request_the_same_text(fp32):
     assert expected.finish_reason == "stop" and len(json.loads(expected.text)) == 8
     assert got.token_ids == expected.token_ids and got.text == expected.text
     assert stats["spec_draft_tokens"] > 0 and stats["spec_accepted_tokens"] > 0  # speculation did run
+    # with jump-forward too: a row drafts only in steps without a forced chunk
+    with LLMEngine(fp32, speculation=Speculation(), jump_forward=True) as engine:
+        same(engine.generate([prompt], params)[0], expected)
+        assert engine.stats()["forced_tokens"] > 0
 
 
 # ---------------------------------------------------------------------- through Triton
