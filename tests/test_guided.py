@@ -187,6 +187,8 @@ def test_jump_forward_gives_the_same_output_in_fewer_steps(engine, fp32):
         jsonschema.validate(json.loads(got.text), FIXED_KEYS)
         assert stats["forced_tokens"] > 0
         assert (engine.stats()["steps"] - before[0]) - (stats["steps"] - before[1]) == stats["forced_tokens"]
+        # the forced tokens that begin the output go with the prompt's chunk and are not counted as prompt
+        assert stats["prompt_tokens"] == len(forcing.tokenizer.encode(FORCED_PROMPT))
 
         mixed = [SamplingParams(max_tokens=24), schema, guided("json_schema", json.dumps(FIXED_KEYS),
                                                                temperature=1.0, seed=3), SamplingParams(max_tokens=24)]
