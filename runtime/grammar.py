@@ -15,6 +15,13 @@ The matcher only ever advances over tokens that became output: a drafted token
 (runtime/speculation.py) is first cut from the draft if the grammar forbids it, and a verified
 one is chosen under the mask like any other, so a guided request's text is the same with and
 without speculation.
+
+Jump-forward (issue 42 item 2; EngineConfig.jump_forward): where the mask allows exactly one token
+(and the grammar does not accept, so no end is allowed either), sampling could take no other, so
+`Constraint.forced` names it and the sequence takes it at once (runtime/sequence.py force); the
+scheduler then feeds the forced tokens as one chunk, as it feeds a prompt chunk. The decision is
+the mask's own, token by token: never a retokenized forced string (llguidance's compute_ff_tokens
+tokenizes forced bytes, which may differ from the tokens the model would have chosen under the mask).
 """
 from __future__ import annotations
 
@@ -176,16 +183,31 @@ class Constraint:
         # the grammar's own end (llguidance's EOS) gives way to the request's end tokens
         self.grammar_ends = np.array(tokenizer.eos_tokens, np.int64)
         self.end_ids = np.array(sorted(end_ids), np.int64)
+        self._allowed: np.ndarray | None = None  # for the matcher's present state
+
+    def allowed(self) -> np.ndarray:
+        """Which tokens may come next [vocab] bool: the grammar's, the end tokens where it accepts.
+        Kept until the next accepted token: jump-forward's check and the next sample share it."""
+        if self._allowed is None:
+            bits = np.frombuffer(self.matcher.compute_bitmask(), np.uint8)
+            allowed = np.unpackbits(bits, bitorder="little")[:self.vocab_size].astype(bool)
+            allowed[self.grammar_ends] = False
+            allowed[self.end_ids] = self.matcher.is_accepting()
+            self._allowed = allowed
+        return self._allowed
+
+    def forced(self) -> int | None:
+        """The next token if the grammar allows no other and no end (None otherwise)."""
+        allowed = self.allowed()
+        if np.count_nonzero(allowed) != 1 or self.matcher.is_accepting():
+            return None
+        return int(np.flatnonzero(allowed)[0])
 
     def mask(self, logits: np.ndarray) -> np.ndarray:
         """The row's logits with every token the grammar forbids at -inf; the end tokens are
         allowed where the grammar accepts. RequestError if nothing allowed is left (the request's
         bans removed every token the grammar allows)."""
-        bits = np.frombuffer(self.matcher.compute_bitmask(), np.uint8)
-        allowed = np.unpackbits(bits, bitorder="little")[:self.vocab_size].astype(bool)
-        allowed[self.grammar_ends] = False
-        allowed[self.end_ids] = self.matcher.is_accepting()
-        masked = np.where(allowed, logits, -np.inf)
+        masked = np.where(self.allowed(), logits, -np.inf)
         if not np.isfinite(masked).any():
             raise RequestError(self.error() or "the guide allows no token that the request's bans (bad_words, "
                                                "min_tokens) leave")
@@ -194,6 +216,7 @@ class Constraint:
     def accept(self, token: int) -> None:
         """Advance over an output token (one the mask allowed)."""
         self.matcher.consume_token(token)
+        self._allowed = None
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of these tokens, in order, the grammar allows from here (the matcher stays)."""

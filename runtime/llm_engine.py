@@ -162,6 +162,7 @@ class LLMEngine:
                                "lower max_tokens or shorten the prompt")
         if params.guide is not None:  # compiled last, once every cheaper check passed
             seq.constraint = self.grammars.constraint(params.guide, seq.stop_token_ids)
+            seq.jump_forward = self.config.jump_forward and not params.logprobs
         return seq
 
     def _enqueue(self, seqs: list[Sequence]) -> None:

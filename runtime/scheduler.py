@@ -33,6 +33,12 @@ Speculation (runtime/speculation.py): in a step where every row decodes and at m
 `speculation.max_rows` do, a row that speculates feeds its pending token plus tokens
 drafted from its own context; postprocess keeps those the model agrees with (`_verified`).
 
+Jump-forward (`EngineConfig.jump_forward`, runtime/grammar.py): when a guided request is admitted
+and after its row samples, the tokens its grammar forces next are taken at once (`_forced`); the
+row then has several pending tokens and is fed like a prompt chunk (the first ones with the
+prompt; a step with such a chunk drafts for no row), its next token sampled from the chunk's
+last position.
+
 Alternate (`stall_free=False`; with prefill_budget=256, the policy before issue 20): prompt-chunk
 steps take turns with decode steps, mixed only when padding both into one [rows, S] block wasted
 at most MIX_PADDING_TOKENS.
@@ -161,7 +167,7 @@ class Scheduler:
                              multi_row_steps=0, prompt_tokens=0, generated_tokens=0, finished=0,
                              cancelled=0, expired=0, prefix_waits=0, tier_loads_expired=0, preempted_swap=0,
                              preempted_recompute=0, row_steps=0, spec_verify_rows=0, spec_draft_tokens=0,
-                             spec_accepted_tokens=0, longrope_recomputes=0)
+                             spec_accepted_tokens=0, longrope_recomputes=0, forced_tokens=0)
         self.prefill_tokens_per_second: float | None = None  # measured, for the load-or-recompute choice
 
     @property
@@ -233,6 +239,9 @@ class Scheduler:
                 break
             self.waiting.remove(seq)
             self._place(seq, hit)
+            if not seq.num_output and (first := self._forced(seq)) is not None:  # joins the prompt's chunks
+                outputs.append((seq, first))
+        self._drop_finished()  # a request that its forced tokens ended (max_tokens, a stop string)
         batch = self._next_batch() if self.running else None
         return outputs, batch, self.kv.rows.take_copies()
 
@@ -402,15 +411,16 @@ class Scheduler:
             if batch.drafts[b]:
                 outputs.append((seq, self._verified(seq, b, batch, logits[b])))
                 continue
-            seq.num_cached += int(batch.num_new[b])
+            fed = int(batch.num_new[b])
+            seq.num_cached += fed
             self.kv.prefix.store(seq, b)
-            if seq.num_cached <= seq.num_prompt:
-                self.counters["prompt_tokens"] += int(batch.num_new[b])
+            # of them, prompt tokens (a prompt's last chunk may carry the tokens its guide forces first)
+            self.counters["prompt_tokens"] += max(0, min(fed, seq.num_prompt - (seq.num_cached - fed)))
             if seq.pending:
                 continue  # a prompt chunk: nothing to sample yet
             self.counters["generated_tokens"] += 1
             # logits[b, 0]: its last real position, the only one execute() asks for
-            outputs.append((seq, seq.advance(logits[b, 0])))
+            outputs.append((seq, self._forced(seq, seq.advance(logits[b, 0]))))
         self._drop_finished()
         return outputs, self.kv.rows.take_copies()
 
@@ -430,7 +440,19 @@ class Scheduler:
         c["spec_draft_tokens"] += proposed
         c["spec_accepted_tokens"] += accepted
         c["generated_tokens"] += accepted + 1
-        return out
+        return self._forced(seq, out)
+
+    def _forced(self, seq: Sequence, out: RequestOutput | None = None) -> RequestOutput | None:
+        """When a request is admitted and after its row sampled: the tokens its guide forces next
+        join its pending tokens (jump-forward), and the next steps feed them as they feed a prompt
+        chunk, within the budget. Returns `out` followed by their output."""
+        if not seq.jump_forward or seq.finished:
+            return out
+        before = len(seq.tokens)
+        forced = seq.force()
+        self.counters["forced_tokens"] += len(seq.tokens) - before
+        self.counters["generated_tokens"] += len(seq.tokens) - before
+        return out if forced is None else forced if out is None else out.merge(forced)
 
     def fail_running(self, message: str) -> list[tuple[Sequence, RequestOutput]]:
         """End every running sequence with an error (the step itself failed); the copies that

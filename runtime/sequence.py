@@ -80,6 +80,8 @@ class Sequence:
     queue_deadline: float | None = None  # perf_counter time by which it must have a slot
     deadline: float | None = None  # perf_counter time by which it must have finished
     constraint: Constraint | None = None  # its guide's matcher (runtime/grammar.py)
+    # take the tokens its guide forces without a step each (EngineConfig.jump_forward; never with log-probs)
+    jump_forward: bool = False
     ngrams: NgramIndex | None = None  # set when decoding steps may verify drafted tokens (runtime/speculation.py)
     draft_limit: int = 0  # how many tokens its next draft may hold
     draft_continued: int = 0  # drafted tokens after a held one that held (runtime/speculation.draft_length)
@@ -148,6 +150,21 @@ class Sequence:
         logprobs = log_softmax(logits)
         top = top_logprobs(logprobs, params.top_logprobs) if params.top_logprobs else None
         return token, float(logprobs[token]), top
+
+    def force(self) -> RequestOutput | None:
+        """Jump-forward: take each token its guide forces next (the only one its mask allows) at
+        once, so the next step feeds them as one chunk behind the token just sampled instead of
+        one decode step each; None if none is forced. A request asking for log-probs does not
+        jump: a chunk returns the logits of its last position only."""
+        out = None
+        while not self.finished and (token := self.constraint.forced()) is not None:
+            # Sampling any row under the mask picks the forced token: drawn from the generator and
+            # checked against the bans as step by step, so seeded text and errors do not change.
+            # Greedy without bans draws nothing: the token is taken as it is.
+            step = self.append(token) if self.params.temperature == 0 and not self.params.adjusts_logits \
+                else self.advance(np.zeros(self.constraint.vocab_size, np.float32))
+            out = step if out is None else out.merge(step)
+        return out
 
     def draft(self, k: int) -> list[int]:
         """Up to k tokens drafted from its own context (speculation), cut before the first its

@@ -17,10 +17,10 @@ from tests.conftest import run_cli
 pytestmark = pytest.mark.timeout(1800)
 
 SECTIONS = ("cache_speedup", "layouts", "kv_dtypes", "peers", "serving", "roofline", "weights", "prefix_cache",
-            "kv_tiers", "fleet", "mixed_load", "stream_gaps", "mla", "speculative", "spin")
+            "kv_tiers", "fleet", "mixed_load", "stream_gaps", "mla", "speculative", "spin", "structured")
 PLOTS = ("cache.png", "layouts.png", "serving.png", "prefix_cache.png", "kv_tiers.png", "fleet.png", "mixed_load.png",
          "stream_gaps.png",
-         "mla.png", "roofline.png", "speculative.png", "spin.png")
+         "mla.png", "roofline.png", "speculative.png", "spin.png", "structured.png")
 
 
 @pytest.fixture(scope="module")
@@ -386,3 +386,21 @@ def test_prefill_and_ttft_structure(quick_run):
     caps = kernel_caps(model, "ttft_s", profile["tokens"], 1.0, 1.0, section)
     assert 0 < caps["weight matmuls alone"] < caps["with attention"]
     assert kernel_caps(model, "ttft_s", 99999, 1.0, 1.0, section) == {}
+
+
+def test_structured_structure(quick_run):
+    """Issue 42: decode steps with and without a schema per batch, compile times, jump-forward's
+    same tokens, and valid outputs constrained vs not; the quick run's vocabulary is small, so its
+    mask target is not evaluated."""
+    out, results, _ = quick_run
+    section = results["structured"]
+    assert [p["batch"] for p in section["decode_steps"]] == list(section["shape"]["batches"])
+    assert all(p["step"][m]["median_ms"] > 0 for p in section["decode_steps"] for m in ("unconstrained", "json_schema"))
+    assert section["compile"]["cold"]["median_ms"] > 0 and section["compile"]["cached"]["median_ms"] > 0
+    for p in section["jump_forward"]:
+        assert p["identical_tokens"] is True and 0 < p["forced_share"] < 1
+    constrained = section["quality"]["modes"]["json_schema"]
+    assert constrained["stopped"] > 0 and constrained["valid"] == constrained["stopped"]
+    (row,) = [t for t in results["targets"] if t["target"].startswith("Structured")]
+    assert row["met"] is None  # 4,096 tokens: not the target's vocabulary
+    assert "## Structured outputs" in (out / "bench.md").read_text()

@@ -4,6 +4,7 @@ inputs and through the OpenAI API. The tiny preset's weights are random: whateve
 the guide makes it valid, so every output that ends with "stop" must match its guide."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import threading
@@ -158,6 +159,59 @@ def test_the_grammar_cache_is_bounded_and_reused(fp32):
     assert grammars.counters == dict(grammar_compiles=CACHE_SIZE + 2, grammar_cache_hits=1)
 
 
+# long keys, every one required, in order, and no other: the grammar forces each `, "key": ` token by token
+FIXED_KEYS = {"type": "object", "additionalProperties": False,
+              "properties": {"identification_number": {"type": "integer", "minimum": 0, "maximum": 9},
+                             "classification_category": {"enum": ["alpha_leaf", "beta_node"]},
+                             "is_currently_available_for_use": {"type": "boolean"}},
+              "required": ["identification_number", "classification_category", "is_currently_available_for_use"]}
+FORCED_PROMPT = "record = "
+
+
+def same(got, expected) -> None:
+    assert (got.token_ids, got.text, got.finish_reason) == (expected.token_ids, expected.text,
+                                                           expected.finish_reason), (got, expected)
+
+
+def test_jump_forward_gives_the_same_output_in_fewer_steps(engine, fp32):
+    """Forced runs (keys, quotes, separators) taken at once and fed as chunks: greedy and seeded
+    output, alone and beside an unguided row, is step-by-step decoding's, and alone it saves one
+    step per forced token; max_tokens and a stop string cut inside a forced run where they did."""
+    schema = guided("json_schema", json.dumps(FIXED_KEYS))
+    with LLMEngine(fp32, jump_forward=True) as forcing:
+        before = engine.stats()["steps"], forcing.stats()["steps"]
+        expected, got = (e.generate([FORCED_PROMPT], schema)[0] for e in (engine, forcing))
+        stats = forcing.stats()
+        same(got, expected)
+        assert got.finish_reason == "stop"
+        jsonschema.validate(json.loads(got.text), FIXED_KEYS)
+        assert stats["forced_tokens"] > 0
+        assert (engine.stats()["steps"] - before[0]) - (stats["steps"] - before[1]) == stats["forced_tokens"]
+        # the forced tokens that begin the output go with the prompt's chunk and are not counted as prompt
+        assert stats["prompt_tokens"] == len(forcing.tokenizer.encode(FORCED_PROMPT))
+
+        mixed = [SamplingParams(max_tokens=24), schema, guided("json_schema", json.dumps(FIXED_KEYS),
+                                                               temperature=1.0, seed=3), SamplingParams(max_tokens=24)]
+        for got, expected in zip(forcing.generate([FORCED_PROMPT] * 4, mixed), engine.generate([FORCED_PROMPT] * 4,
+                                                                                                mixed)):
+            same(got, expected)
+        assert forcing.stats()["forced_tokens"] > 2 * stats["forced_tokens"]  # both guided rows jumped
+
+        # cut at every length within the first forced run, and by a stop string inside a key
+        for params in [*(dataclasses.replace(schema, max_tokens=n) for n in range(1, 8)),
+                       dataclasses.replace(schema, stop=("category",))]:
+            expected, got = (e.generate([FORCED_PROMPT], params)[0] for e in (engine, forcing))
+            same(got, expected)
+            assert len(got.token_ids) <= params.max_tokens
+        assert got.finish_reason == "stop" and got.text.endswith('"classification_')
+        # a request asking for log-probs decodes step by step: its forced tokens' log-probs are the model's
+        counted = forcing.stats()["forced_tokens"]
+        expected, got = (e.generate([FORCED_PROMPT], dataclasses.replace(schema, logprobs=True))[0]
+                         for e in (engine, forcing))
+        same(got, expected)
+        assert got.logprobs == expected.logprobs and forcing.stats()["forced_tokens"] == counted
+
+
 def test_speculation_gives_a_guided_request_the_same_text(fp32):
     """Drafts come from the prompt's own JSON, some of whose tokens the grammar forbids (cut from
     the draft); greedy guided text with speculation equals it without."""
@@ -172,6 +226,10 @@ def test_speculation_gives_a_guided_request_the_same_text(fp32):
     assert expected.finish_reason == "stop" and len(json.loads(expected.text)) == 8
     assert got.token_ids == expected.token_ids and got.text == expected.text
     assert stats["spec_draft_tokens"] > 0 and stats["spec_accepted_tokens"] > 0  # speculation did run
+    # with jump-forward too: a row drafts only in steps without a forced chunk
+    with LLMEngine(fp32, speculation=Speculation(), jump_forward=True) as engine:
+        same(engine.generate([prompt], params)[0], expected)
+        assert engine.stats()["forced_tokens"] > 0
 
 
 # ---------------------------------------------------------------------- through Triton

@@ -55,6 +55,8 @@ METRICS = [
      "COUNTER"),
     ("spec_accepted_tokens", "kvforge_spec_accepted_tokens_total", "Drafted tokens the model agreed with",
      "COUNTER"),
+    ("forced_tokens", "kvforge_forced_tokens_total",
+     "Tokens guided requests took by jump-forward (their grammar allowed no other; fed as a chunk)", "COUNTER"),
     ("pd_remote_prefills", "kvforge_pd_remote_prefills_total", "Prompts sent to the prefill worker", "COUNTER"),
     ("pd_local_prefills", "kvforge_pd_local_prefills_total",
      "Prompts the decode engine prefilled itself while disaggregated (short, cached, worker busy or failed)",
