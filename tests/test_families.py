@@ -57,6 +57,11 @@ FAMILIES = {
     "phi3": ("Phi3", dict(partial_rotary_factor=0.5, sliding_window=26)),
 }
 WINDOWED = ("mistral-window", "qwen2-window")
+# Ring exports (sliding layers hold window + RING_CHUNK - 1 positions): a Gemma-3-shaped hybrid and
+# a Mistral-shaped all-sliding model; the 28-token prompt prefills in 12 + 12 + 4 and generation
+# runs to position 71, past each ring (34 and 32 cells) twice.
+RING_CHUNK = 12
+RINGED = ("gemma3", "mistral-window")
 TEMPLATES = ROOT / "tests" / "fixtures" / "chat_templates"  # public templates, byte for byte (README.md there)
 # family -> the public chat template its instruct checkpoint ships, and a chat body (as the OpenAI
 # API takes it) that checkpoint is asked; every checkpoint's tokenizer puts <s> before every text.
@@ -202,12 +207,12 @@ def family_exports(tmp_path_factory, checkpoints):
     root = tmp_path_factory.mktemp("families-exports")
     made = {}
 
-    def make(family, layout="inplace"):
-        if (family, layout) not in made:
-            out = root / f"{family}-{layout}"
-            export(str(checkpoints[family][0]), out, layout, "fp32", EXPORT_CONTEXT)
-            made[family, layout] = out
-        return made[family, layout]
+    def make(family, layout="inplace", max_chunk=None):
+        if (family, layout, max_chunk) not in made:
+            out = root / f"{family}-{layout}-{max_chunk}"
+            export(str(checkpoints[family][0]), out, layout, "fp32", EXPORT_CONTEXT, max_chunk)
+            made[family, layout, max_chunk] = out
+        return made[family, layout, max_chunk]
 
     return make
 
@@ -392,6 +397,76 @@ def test_concat_windows_count_positions_across_a_shorter_rows_gap(family_exports
         together.append(run.next_tokens.tolist())
     assert [row[0] for row in together] == tokens
     assert [row[1] for row in together] == runner_greedy(directory, short)[0]
+
+
+@pytest.mark.parametrize("layout", ["inplace", "concat"])
+@pytest.mark.parametrize("family", RINGED)
+def test_ring_cache_generates_what_transformers_generates(family_exports, checkpoints, family, layout):
+    """Sliding layers holding only a ring of window + max_chunk - 1 positions: the manifest says so
+    per tensor, the prompt (longer than the window) prefills in chunks of max_chunk and generation
+    runs past every ring, with transformers' greedy tokens and log-probs within LOGPROB_TOLERANCE."""
+    from runtime.llm_engine import LLMEngine, SamplingParams
+
+    _, prompt, tokens, logprobs = checkpoints[family][:4]
+    directory = family_exports(family, layout, RING_CHUNK)
+    manifest = Manifest.load(directory)
+    spec = manifest.model
+    ring = max(spec.sliding_window, 16) + RING_CHUNK - 1
+    assert manifest.max_chunk == RING_CHUNK and ring < PROMPT_TOKENS + NEW_TOKENS
+    for t in manifest.cache_tensors:
+        sliding = int(t.name.split(".")[1]) in spec.sliding_layers
+        assert (t.window, t.tokens) == ((spec.sliding_window, ring) if sliding else (None, EXPORT_CONTEXT))
+    listed = json.loads((directory / "manifest.json").read_text())["kv"]["tensors"]
+    assert [(t["name"], t["tokens"], t["window"]) for t in listed] == [(t.name, t.tokens, t.window)
+                                                                        for t in manifest.cache_tensors]
+    if layout == "inplace":
+        with LLMEngine(directory, threads=1) as engine:  # the prefix cache asked for: a ring runs without it
+            params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True)
+            result = engine.generate([prompt], params)[0]
+            assert engine.stats()["prefill_steps"] == 3  # 12 + 12 + 4: never a chunk past max_chunk
+        got = result.token_ids, result.logprobs
+    else:
+        got = runner_greedy(directory, prompt)
+    assert got[0] == tokens
+    assert max(abs(a - b) for a, b in zip(got[1], logprobs)) <= LOGPROB_TOLERANCE
+
+
+def test_ring_cache_holds_what_the_manifest_says(family_exports, checkpoints):
+    """The engine's KV buffers are the manifest's arithmetic (rings whole at any capacity, global
+    layers at the capacity), smaller than caching every position, and admission counts the same;
+    a repeated prompt (a would-be prefix hit) generates what its first run did; a step wider than
+    max_chunk, TensorRT and hand-off are refused, naming why."""
+    import onnx
+
+    from engines.__main__ import choose_backend
+    from kvforge.manifest import cache_tensors, slot_bytes
+    from kvforge.onnx_graphs import all_nodes
+    from runtime.llm_engine import LLMEngine, SamplingParams
+
+    prompt = checkpoints["gemma3"].prompt
+    directory = family_exports("gemma3", "inplace", RING_CHUNK)
+    manifest = Manifest.load(directory)
+    full = cache_tensors(manifest.model, "fp32", manifest.max_seq_len)
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    with LLMEngine(directory, threads=1, slots=2) as engine:
+        first = engine.generate([prompt], params)[0]
+        again = engine.generate([prompt], params)[0]
+        stats, runner = engine.stats(), engine.runner
+        assert stats["kv_bytes_allocated"] == runner.slots * slot_bytes(manifest.cache_tensors, runner.capacity)
+        assert stats["kv_bytes_allocated"] < runner.slots * slot_bytes(full, runner.capacity)
+        assert {name: buf.shape[2] for name, buf in runner.kv_arrays.items()} == {
+            t.name: t.held(runner.capacity) for t in manifest.cache_tensors}
+        assert engine.limits.slots == 2 and not stats["prefix_cache"]
+        with pytest.raises(ValueError, match="exceeds the export's max_chunk 12"):
+            runner.step(np.ones((1, RING_CHUNK + 1), np.int64), np.zeros(1, np.int64), np.array([RING_CHUNK + 1]))
+    assert again.token_ids == first.token_ids and again.cached_tokens == 0
+    modes = [next(a.s.decode() for a in n.attribute if a.name == "mode")
+             for n in all_nodes(onnx.load(str(directory / "model.onnx")).graph) if n.op_type == "TensorScatter"]
+    assert sorted(modes) == ["circular"] * 2 + ["linear"] * 2  # layer 1 slides: its key and value in a ring
+    with pytest.raises(ManifestError, match="ring-cache export: TensorRT is not built"):
+        choose_backend("tensorrt", manifest, directory)
+    with pytest.raises(ValueError, match="hold rings .* serve it without disaggregation"):
+        LLMEngine(directory, threads=1, disaggregate=True)
 
 
 def test_qwen3_norms_stay_standard_ops(family_exports):

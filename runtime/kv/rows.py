@@ -115,8 +115,10 @@ class PackedRows:
     def step_room(self) -> int:
         """The widest next step: a step writes a window of its width into every row (the in-place
         scatter), so every row's cache plus the width must fit the largest capacity whose buffers
-        stay within kv_cache_bytes (and max_seq_len). At least 1: fits() holds."""
-        return max(1, self._capacity_for(len(self._running)) - max(s.num_cached for s in self._running))
+        stay within kv_cache_bytes (and max_seq_len), and at most the export's max_chunk (its
+        rings hold one chunk beyond the window). At least 1: fits() holds."""
+        room = max(1, self._capacity_for(len(self._running)) - max(s.num_cached for s in self._running))
+        return min(room, self.runner.manifest.max_chunk or room)
 
     def _capacity_for(self, rows: int) -> int:
         """The largest capacity whose buffers for `rows` rows stay within kv_cache_bytes (and

@@ -135,6 +135,9 @@ class Runner(ABC):
             raise ValueError(f"{rows} rows exceed the {self.slots} allocated slots")
         if write_positions.shape != (rows,) or num_new.shape != (rows,):
             raise ValueError("write_positions and num_new need one entry per row")
+        if self.manifest.max_chunk is not None and seq > self.manifest.max_chunk:
+            raise ValueError(f"a step of {seq} tokens per row exceeds the export's max_chunk "
+                             f"{self.manifest.max_chunk} (its sliding layers' rings hold one chunk beyond the window)")
         needed = int((write_positions + seq).max())
         if needed > self.capacity:
             raise ValueError(f"step needs {needed} cache positions but capacity is {self.capacity}; resize first")
@@ -149,6 +152,9 @@ class Runner(ABC):
 
     def block_range(self, start: int, n: int) -> tuple[int, int]:
         """Token positions [lo, hi) of blocks start..start+n-1 that lie inside the capacity."""
+        if self.manifest.rings:
+            raise ValueError("KV blocks are not copied out of or into ring caches: a sliding layer's ring holds "
+                             "position p at p mod its cells, not at p (no prefix cache, swap or hand-off for them)")
         tokens = self.block.tokens
         lo = start * tokens
         if lo > self.capacity:

@@ -66,6 +66,10 @@ class _OrtRunner(Runner):
         t = self.cache[past_name]
         return np.zeros((rows, t.heads, length, t.width), NUMPY_DTYPES[t.dtype])
 
+    def _slot_buffer(self, past_name: str, rows: int, capacity: int) -> np.ndarray:
+        """A buffer of what a slot of `capacity` holds of the tensor: a ring all its cells."""
+        return self._buffer(past_name, rows, self.cache[past_name].held(capacity))
+
 
 class SlotReservation:
     """One flat array per cache tensor (its heads x width per position, as the manifest sizes
@@ -131,7 +135,11 @@ class OrtInplaceRunner(_OrtRunner):
 
     def reserve(self, nbytes: int) -> None:
         """Before allocate: one reservation of `nbytes` of KV (SlotReservation) holds every later
-        layout that fits it."""
+        layout that fits it. Not with rings yet: its flat arrays split positions among the
+        tensors in one proportion, while a ring's share of a layout grows with the rows and not
+        with the capacity (their buffers come per layout instead, as without a reservation)."""
+        if self.manifest.rings:
+            return
         tensors = tuple(self.cache.values())
         self.reservation = SlotReservation(tensors, nbytes // sum(t.bytes_per_token for t in tensors))
 
@@ -143,7 +151,7 @@ class OrtInplaceRunner(_OrtRunner):
         if self._reserved(slots, capacity):
             self.buffers = self.reservation.views(slots, capacity)
         else:
-            self.buffers = {past: self._buffer(past, slots, capacity) for past, _ in self.pairs}
+            self.buffers = {past: self._slot_buffer(past, slots, capacity) for past, _ in self.pairs}
         self._binding, self._bound_rows = None, 0
 
     def step(self, input_ids, write_positions, num_new, logit_positions=None):
@@ -175,7 +183,7 @@ class OrtInplaceRunner(_OrtRunner):
         return self._binding
 
     def move(self, src, dst, length):
-        for buf in self.buffers.values():
+        for buf in self.buffers.values():  # a ring past its cells: every cell (the slice stops there)
             buf[dst, :, :length] = buf[src, :, :length]
 
     def resize(self, capacity, rows, slots=None):
@@ -191,7 +199,7 @@ class OrtInplaceRunner(_OrtRunner):
             return
         old = self.buffers
         self.allocate(slots, capacity)
-        for name, buf in self.buffers.items():
+        for name, buf in self.buffers.items():  # a ring below its cells holds no wrapped position
             buf[:rows, :, :keep] = old[name][:rows, :, :keep]
 
     def read_blocks(self, row, start, n) -> Blocks:
@@ -240,7 +248,7 @@ class OrtConcatRunner(_OrtRunner):
 
     def allocate_cached(self, slots, length, capacity):
         self.allocate(slots, capacity)
-        self.past = {past: self._buffer(past, slots, length) for past, _ in self.pairs}
+        self.past = {past: self._buffer(past, slots, min(length, self.cache[past].held(length))) for past, _ in self.pairs}
         self.mask = np.ones((slots, length), np.int64)
 
     @property
@@ -270,6 +278,11 @@ class OrtConcatRunner(_OrtRunner):
         self.mask[:rows][write_positions == 0] = 0  # a row starting over forgets its old tokens
         new_mask = (np.arange(seq)[None, :] < num_new[:, None]).astype(np.int64)
         mask = np.concatenate([self.mask[:rows], new_mask], axis=1)
+        gaps = int((mask.shape[1] - mask.sum(axis=1)).max())
+        if self.manifest.rings and gaps >= self.manifest.max_chunk:
+            raise ValueError(f"a row would have {gaps} padding columns; with sliding layers' rings (the last "
+                             f"max_chunk - 1 + window columns) the concat layout allows at most "
+                             f"{self.manifest.max_chunk - 1}: step rows with their prompts together, or run inplace")
         feeds = {"input_ids": input_ids, "attention_mask": mask,
                  "position_ids": write_positions[:, None] + np.arange(seq)[None, :]}
         feeds.update({past: self.past[past][:rows] for past, _ in self.pairs})
