@@ -58,10 +58,13 @@ def export(model: str, out: Path, kv_layout: str, kv_dtype: str, max_seq_len: in
         check_attention_dtype(spec, kv_dtype)
         tokenizer = checkpoint.tokenizer_info(source)
     max_seq_len = max_seq_len if max_seq_len is not None else spec.max_positions
-    if spec.sliding_window is not None:
-        max_chunk = min(max_chunk or DEFAULT_MAX_CHUNK, max_seq_len)
-    elif max_chunk is not None:
+    if spec.sliding_window is None and max_chunk is not None:
         raise ManifestError(f"--max-chunk bounds the rings of sliding-window layers; {spec.architecture} here has none")
+    # a ring that would reach max_seq_len is no ring: then every layer holds every position and
+    # steps stay unbounded (max_chunk None)
+    max_chunk = max_chunk or DEFAULT_MAX_CHUNK
+    if not layer_rings(spec, max_seq_len, max_chunk):
+        max_chunk = None
     manifest = Manifest(model=spec, kv_layout=kv_layout, kv_dtype=kv_dtype, max_seq_len=max_seq_len,
                         tokenizer=tokenizer, source={}, versions=library_versions(), max_chunk=max_chunk)
     with atomic_directory(out) as tmp:

@@ -254,7 +254,7 @@ class ConcatStep:
         """ring: the layer keeps only the last `ring` columns of past + new: its past is the last
         columns of attention_mask. What it drops lies at or before each row's first query - window
         while no row has more than max_chunk - 1 padding columns among its last `ring` (the concat
-        runner refuses a step that would: OrtConcatRunner.check_step)."""
+        runner refuses a step that would: OrtConcatRunner._step_all)."""
         joined = [torch.cat((old, fresh), dim=2) for old, fresh in zip(cache, new)]
         return joined if ring is None else [last_columns(x, ring) for x in joined]
 

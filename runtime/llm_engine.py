@@ -71,10 +71,7 @@ class LLMEngine:
         self.grammars = Grammars(engine_dir / "tokenizer.json", manifest.model.vocab_size, self.tokenizer.eos_token_ids)
         self.runner = open_runner(engine_dir, config.threads, config.spin_us)
         kv_host_bytes = default_kv_host_bytes() if config.kv_host_bytes is None else config.kv_host_bytes
-        # A ring (a sliding layer holding its window only) keeps position p at p mod its cells, not
-        # in blocks at p: a hit would need its last window restored, so a ring export runs without
-        # the prefix cache (every hit a miss: the same output) and so without swap and hand-off.
-        pool = HostBlockPool(self.runner.block, kv_host_bytes) if config.prefix_cache and not manifest.rings else None
+        pool = HostBlockPool(self.runner.block, kv_host_bytes) if config.prefix_cache else None
         self._cond = threading.Condition()
         namespace = cache_namespace(manifest)
         self.tiers, self.pd, self._remote = None, None, {}
@@ -84,9 +81,6 @@ class LLMEngine:
             disaggregation = Disaggregation(threads=config.prefill_threads, transport=config.pd_transport,
                                             threshold_tokens=config.pd_threshold)
         if disaggregation is not None:
-            if manifest.rings:
-                raise ValueError(f"{engine_dir}'s sliding layers hold rings (max_chunk {manifest.max_chunk}), whose KV "
-                                 "is not handed over as blocks: serve it without disaggregation")
             if pool is None:
                 raise ValueError("disaggregated serving hands the KV over as a prefix hit: it needs the prefix cache")
             self.pd = PrefillWorker(engine_dir, dataclasses.replace(disaggregation, redis_url=config.kv_redis_url),

@@ -420,7 +420,7 @@ def test_ring_cache_generates_what_transformers_generates(family_exports, checkp
     assert [(t["name"], t["tokens"], t["window"]) for t in listed] == [(t.name, t.tokens, t.window)
                                                                         for t in manifest.cache_tensors]
     if layout == "inplace":
-        with LLMEngine(directory, threads=1) as engine:  # the prefix cache asked for: a ring runs without it
+        with LLMEngine(directory, threads=1, prefix_cache=False) as engine:
             params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True)
             result = engine.generate([prompt], params)[0]
             assert engine.stats()["prefill_steps"] == 3  # 12 + 12 + 4: never a chunk past max_chunk
@@ -431,19 +431,22 @@ def test_ring_cache_generates_what_transformers_generates(family_exports, checkp
     assert max(abs(a - b) for a, b in zip(got[1], logprobs)) <= LOGPROB_TOLERANCE
 
 
-def test_ring_cache_holds_what_the_manifest_says(family_exports, checkpoints):
+def test_ring_cache_holds_what_the_manifest_says(family_exports):
     """The engine's KV buffers are the manifest's arithmetic (rings whole at any capacity, global
     layers at the capacity), smaller than caching every position, and admission counts the same;
-    a repeated prompt (a would-be prefix hit) generates what its first run did; a step wider than
-    max_chunk, TensorRT and hand-off are refused, naming why."""
+    a repeated prompt hits the prefix cache for more positions than a ring holds and generates what
+    its first run (a miss) did; a row's blocks copied out and back in (a swap) leave every cell as
+    it was; a step wider than max_chunk and TensorRT are refused, naming why."""
     import onnx
 
     from engines.__main__ import choose_backend
     from kvforge.manifest import cache_tensors, slot_bytes
     from kvforge.onnx_graphs import all_nodes
+    from runtime.greedy import Greedy
     from runtime.llm_engine import LLMEngine, SamplingParams
+    from runtime.runners import open_runner
 
-    prompt = checkpoints["gemma3"].prompt
+    prompt = np.random.default_rng(1).integers(3, VOCAB, 61).tolist()  # 3 blocks hit (never the last token's)
     directory = family_exports("gemma3", "inplace", RING_CHUNK)
     manifest = Manifest.load(directory)
     full = cache_tensors(manifest.model, "fp32", manifest.max_seq_len)
@@ -456,17 +459,28 @@ def test_ring_cache_holds_what_the_manifest_says(family_exports, checkpoints):
         assert stats["kv_bytes_allocated"] < runner.slots * slot_bytes(full, runner.capacity)
         assert {name: buf.shape[2] for name, buf in runner.kv_arrays.items()} == {
             t.name: t.held(runner.capacity) for t in manifest.cache_tensors}
-        assert engine.limits.slots == 2 and not stats["prefix_cache"]
-        with pytest.raises(ValueError, match="exceeds the export's max_chunk 12"):
-            runner.step(np.ones((1, RING_CHUNK + 1), np.int64), np.zeros(1, np.int64), np.array([RING_CHUNK + 1]))
-    assert again.token_ids == first.token_ids and again.cached_tokens == 0
+        assert engine.limits.slots == 2
+    ring = next(t for t in manifest.cache_tensors if t.window is not None)
+    runner = open_runner(directory, threads=1)
+    run = Greedy(runner, [prompt], NEW_TOKENS)
+    run.prefill(every_position=False)
+    for _ in range(NEW_TOKENS - 1):
+        run.step()
+    before = {name: buf[0].copy() for name, buf in runner.kv_arrays.items()}
+    blocks = runner.read_blocks(0, 0, -(-int(run.lengths[0]) // 16))
+    for buf in runner.kv_arrays.values():
+        buf[0] = 0
+    runner.write_blocks(0, 0, blocks)
+    assert all(np.array_equal(buf[0], before[name]) for name, buf in runner.kv_arrays.items())
+    with pytest.raises(ValueError, match="exceeds the export's max_chunk 12"):
+        runner.step(np.ones((1, RING_CHUNK + 1), np.int64), np.zeros(1, np.int64), np.array([RING_CHUNK + 1]))
+    assert first.cached_tokens == 0 and again.cached_tokens == 48 > ring.tokens
+    assert again.token_ids == first.token_ids and len(set(first.token_ids)) > 8
     modes = [next(a.s.decode() for a in n.attribute if a.name == "mode")
              for n in all_nodes(onnx.load(str(directory / "model.onnx")).graph) if n.op_type == "TensorScatter"]
     assert sorted(modes) == ["circular"] * 2 + ["linear"] * 2  # layer 1 slides: its key and value in a ring
     with pytest.raises(ManifestError, match="ring-cache export: TensorRT is not built"):
         choose_backend("tensorrt", manifest, directory)
-    with pytest.raises(ValueError, match="hold rings .* serve it without disaggregation"):
-        LLMEngine(directory, threads=1, disaggregate=True)
 
 
 def test_qwen3_norms_stay_standard_ops(family_exports):

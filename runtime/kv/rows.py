@@ -16,7 +16,8 @@ batch that outgrows the budget preempts its youngest sequence (runtime/kv/manage
 buffers are views of one reservation of the budget (or of every slot at max_seq_len, if less),
 mapped at startup (runtime/runners/ort.py SlotReservation): a resize or a row move never touches
 fresh pages. Bytes come from the manifest per cache tensor (kvforge.manifest.CacheTensor): a
-slot of capacity C holds min(C, tensor.tokens) positions of each.
+slot of capacity C holds tensor.held(C) positions of each (min(C, tokens); a sliding layer's ring
+all its cells, and no step writes more than the export's max_chunk per row: step_room).
 
 Every copy is decided here and recorded, in order, as a KVCopies plan (`take_copies`): the
 scheduler returns what its decisions imply and the engine runs it inside the timed step

@@ -152,9 +152,6 @@ class Runner(ABC):
 
     def block_range(self, start: int, n: int) -> tuple[int, int]:
         """Token positions [lo, hi) of blocks start..start+n-1 that lie inside the capacity."""
-        if self.manifest.rings:
-            raise ValueError("KV blocks are not copied out of or into ring caches: a sliding layer's ring holds "
-                             "position p at p mod its cells, not at p (no prefix cache, swap or hand-off for them)")
         tokens = self.block.tokens
         lo = start * tokens
         if lo > self.capacity:

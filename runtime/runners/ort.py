@@ -19,7 +19,7 @@ import numpy as np
 
 from kvforge.engine_config import DEFAULT_SPIN_US, read_variable
 from kvforge.manifest import CacheTensor, Manifest, ManifestError
-from runtime.runners.base import Blocks, Runner, as_blocks, pack_step
+from runtime.runners.base import Blocks, Runner, as_blocks, as_tokens, pack_step
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h
 POPULATE_CHUNK_BYTES = 64 << 20
@@ -203,17 +203,27 @@ class OrtInplaceRunner(_OrtRunner):
             buf[:rows, :, :keep] = old[name][:rows, :, :keep]
 
     def read_blocks(self, row, start, n) -> Blocks:
+        """A ring's positions come from their cells (p mod its cells): read right after the step
+        that filled them (the prefix cache's store), they are all still there; a swap-out's older
+        ones read as whatever their cells hold now, and write_blocks puts exactly that back."""
         lo, hi = self.block_range(start, n)
-        return {name: as_blocks(buf[row, :, lo:hi], n, self.block.tokens) for name, buf in self.buffers.items()}
+        return {name: as_blocks(buf[row, :, lo:hi] if self.cache[name].window is None
+                                else buf[row][:, np.arange(lo, hi) % buf.shape[2]], n, self.block.tokens)
+                for name, buf in self.buffers.items()}
 
     def write_blocks(self, row, start, data: Blocks) -> None:
         """Straight into the slot: the full blocks through a [heads, blocks, block_tokens, D] view of
-        it, then a partial last one (no staging copy)."""
+        it, then a partial last one (no staging copy). A ring takes the last of the positions that
+        land in it, at their cells: what a miss leaves there (blocks come in position order)."""
         n = len(next(iter(data.values())))
         lo, hi = self.block_range(start, n)
         tokens = self.block.tokens
         full = (hi - lo) // tokens
         for name, buf in self.buffers.items():
+            if self.cache[name].window is not None:
+                kept = min(hi - lo, buf.shape[2])
+                buf[row][:, np.arange(hi - kept, hi) % buf.shape[2]] = as_tokens(data[name], hi - lo)[:, -kept:]
+                continue
             blocks = buf[row, :, lo:lo + full * tokens]
             blocks.shape = (buf.shape[1], full, tokens, buf.shape[3])  # a view, or an error: never a copy
             blocks[:] = data[name][:full].transpose(1, 0, 2, 3)
