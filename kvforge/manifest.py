@@ -570,8 +570,9 @@ def ring_tokens(window: int, max_chunk: int) -> int:
     """Cells of a sliding layer's ring: a step writes up to max_chunk positions per row at p mod R
     before attending, and its first query still needs the window-1 positions before it, so R =
     window + max_chunk - 1 keeps every key any query of the step may read (what the step
-    overwrites lies at or before p - window). The window counts at least one KV block, so a
-    ring never holds less than a block's worth of history."""
+    overwrites lies at or before p - window). The window counts at least one KV block (16), so
+    R >= max_chunk + 15: a block a step fills (its first position up to 15 before the step's) is
+    still whole in the ring right after that step, when the prefix cache copies it out."""
     return max(window, KV_BLOCK_TOKENS) + max_chunk - 1
 
 
