@@ -483,6 +483,26 @@ def test_ring_cache_holds_what_the_manifest_says(family_exports):
         choose_backend("tensorrt", manifest, directory)
 
 
+def test_ring_cache_rows_swap_out_and_back(family_exports):
+    """Six Gemma-3-shaped ring sequences in a budget of two at their promised length: optimistic
+    admission starts them all and swaps the youngest out to the host pool as they grow (ring
+    cells and all) and back in; every sequence generates what it does when reserved up front."""
+    from kvforge.manifest import slot_bytes
+    from runtime.llm_engine import LLMEngine, SamplingParams
+
+    directory = family_exports("gemma3", "inplace", RING_CHUNK)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, VOCAB, 40 + i).tolist() for i in range(6)]
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    options = dict(threads=1, slots=8, kv_cache_bytes=2 * slot_bytes(Manifest.load(directory).cache_tensors, 160))
+    with LLMEngine(directory, admission="reserve", **options) as reserving:
+        expected = [o.token_ids for o in reserving.generate(prompts, params)]
+    with LLMEngine(directory, **options) as engine:
+        got = [o.token_ids for o in engine.generate(prompts, params)]
+        stats = engine.stats()
+    assert got == expected and stats["preempted_swap"] > 0 and stats["preempted_recompute"] == 0, stats
+
+
 def test_qwen3_norms_stay_standard_ops(family_exports):
     """q/k norms are RMSNormalization nodes (two per layer beside the two layer norms and the
     final one), never ORT's CUDA-only fused q/k norm; SmolLM3's NoPE layer has no RotaryEmbedding."""
