@@ -503,6 +503,27 @@ def test_ring_cache_rows_swap_out_and_back(family_exports):
     assert got == expected and stats["preempted_swap"] > 0 and stats["preempted_recompute"] == 0, stats
 
 
+def test_ring_cache_hands_prompts_over(family_exports, patient):
+    """A prefill worker prefills Gemma-3-shaped ring prompts and hands their blocks over (as a
+    prefix hit past the ring's 34 cells); the decode side generates what it does alone."""
+    from runtime.disaggregation import Disaggregation
+    from runtime.llm_engine import LLMEngine, SamplingParams
+    from tests.waiting import wait_for
+
+    directory = family_exports("gemma3", "inplace", RING_CHUNK)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, VOCAB, n).tolist() for n in (61, 50)]
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    with LLMEngine(directory, threads=1, prefix_cache=False) as alone:
+        expected = [o.token_ids for o in alone.generate(prompts, params)]
+    with LLMEngine(directory, threads=1, disaggregation=Disaggregation(threads=1, threshold_tokens=0)) as engine:
+        wait_for(lambda: engine.pd.up, "the prefill worker to start", 120.0)
+        outputs = engine.generate(prompts, params)
+        stats = engine.stats()
+    assert [o.token_ids for o in outputs] == expected
+    assert [o.cached_tokens for o in outputs] == [48, 48] and stats["pd_handoffs"] == 2, stats
+
+
 def test_qwen3_norms_stay_standard_ops(family_exports):
     """q/k norms are RMSNormalization nodes (two per layer beside the two layer norms and the
     final one), never ORT's CUDA-only fused q/k norm; SmolLM3's NoPE layer has no RotaryEmbedding."""
