@@ -62,15 +62,17 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: b
     return torch.stack(rotated, dim=-1).flatten(-2) if interleaved else torch.cat(rotated, dim=-1)
 
 
-def rope_frequencies(spec: ModelSpec, local: bool = False) -> tuple[torch.Tensor, float]:
+def rope_frequencies(spec: ModelSpec, local: bool = False, long: bool = False) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [D/2] of the rotary channels (head_dim; MLA: qk_rope_head_dim) and the
     factor cos/sin are multiplied by: plain RoPE, or the scaling spec.rope_scaling names, computed
     as transformers 5.24's modeling_rope_utils does (the same float32 ops, so the same bits):
     linear divides every frequency by the factor; llama3 divides the low frequencies (wavelength
     beyond original / low_freq_factor) by it, keeps the high ones (below original /
     high_freq_factor) and blends between; yarn blends interpolated and extrapolated frequencies
-    over a ramp of channels and scales cos/sin by its attention factor (mscale). local: the
-    sliding layers' own unscaled RoPE of base spec.local_rope_theta (Gemma 3)."""
+    over a ramp of channels and scales cos/sin by its attention factor (mscale); longrope divides
+    each frequency by its entry of short_factor (long: long_factor) and scales cos/sin by
+    sqrt(1 + ln(factor) / ln(original)). local: the sliding layers' own unscaled RoPE of base
+    spec.local_rope_theta (Gemma 3)."""
     dim = spec.rotary_dim
     base, rope, kind = spec.rope_theta, spec.rope_scaling or {}, spec.rope_type
     if local:
@@ -83,6 +85,12 @@ def rope_frequencies(spec: ModelSpec, local: bool = False) -> tuple[torch.Tensor
     if kind == "linear":
         return inv_freq / factor, 1.0
     original = rope["original_max_position_embeddings"]
+    if kind == "longrope":
+        divisors = torch.tensor(rope["long_factor" if long else "short_factor"], dtype=torch.float32)
+        attention_factor = rope.get("attention_factor")
+        if attention_factor is None:
+            attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        return 1.0 / (divisors * pos_freqs), float(attention_factor)
     if kind == "llama3":
         low, high = rope["low_freq_factor"], rope["high_freq_factor"]
         wavelen = 2 * math.pi / inv_freq
@@ -118,10 +126,15 @@ def rope_frequencies(spec: ModelSpec, local: bool = False) -> tuple[torch.Tensor
     return inv_freq, float(attention_factor)
 
 
-def rope_cos_sin(positions: torch.Tensor, spec: ModelSpec, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [B, S, D/2] for integer positions [B, S] (yarn's attention factor applied to both,
-    as transformers applies it); local: rope_frequencies'."""
+def rope_cos_sin(positions: torch.Tensor, spec: ModelSpec, local: bool = False,
+                 long: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [B, S, D/2] for integer positions [B, S] (yarn's and longrope's attention factor
+    applied to both, as transformers applies it); local: rope_frequencies'. long [B, S] bool:
+    longrope's long factors for those tokens, the short ones elsewhere (one Where between the two
+    constant frequency sets, so rows of one batch may differ)."""
     inv_freq, factor = rope_frequencies(spec, local)
+    if long is not None:
+        inv_freq = torch.where(long[..., None], rope_frequencies(spec, long=True)[0], inv_freq)
     freqs = positions.to(torch.float32)[..., None] * inv_freq
     if factor == 1.0:
         return freqs.cos(), freqs.sin()
@@ -650,14 +663,22 @@ class CausalLM(nn.Module):
             self.model.layers[i].self_attn.ring = cells
 
     def forward(self, input_ids: torch.Tensor, *args: torch.Tensor):
+        original = self.spec.longrope_original
         if self.layout == "concat":
-            attention_mask, position_ids, *cache = args
+            attention_mask, position_ids, *rest = args
             step = ConcatStep(attention_mask, position_ids)
         else:
-            positions, write_positions, row_tokens, attention_extent, token_slots, logit_index, *cache = args
+            positions, write_positions, row_tokens, attention_extent, token_slots, logit_index, *rest = args
             step = InplaceStep(write_positions, row_tokens, attention_extent, token_slots)
             input_ids, position_ids = input_ids[None], positions[None]  # one row of packed tokens
-        rope = rope_cos_sin(position_ids, self.spec)
+        long = None
+        if original is not None:  # prompt_lengths: [B] (concat) or [T] (inplace), read as ModelSpec.long_factors says
+            prompt_lengths, *cache = rest
+            long = (prompt_lengths[:, None] if self.layout == "concat" else prompt_lengths[None]) > original
+            long = long.expand(position_ids.shape)
+        else:
+            cache = rest
+        rope = rope_cos_sin(position_ids, self.spec, long=long)
         local_rope = rope_cos_sin(position_ids, self.spec, local=True) if self.spec.local_rope_theta else rope
 
         x = self.model.embed_tokens(input_ids)

@@ -7,6 +7,9 @@
    and, for unquantized KV, the greedy token must be the same at every step (by induction the
    cached and uncached greedy generations are then identical).
 Exit 0 only within tolerance. Quantized KV reports its own error and greedy agreement.
+A longrope model (Phi-3/4) adds a row whose prompt is longer than original_max_position_embeddings
+(long factors from the prompt on) and one that decodes past it (recomputed on the long factors,
+as transformers' generate() does): on Phi-3.5 / Phi-4-mini two prompts of about 4K tokens.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ class Report:
     greedy_agreement: float
     steps: int
     tolerance: float
+    rows: int
 
     @property
     def max_abs_diff(self) -> float:
@@ -63,6 +67,19 @@ def hf_logits(model, tokens: list[int]) -> np.ndarray:
     return model(torch.tensor([tokens]), use_cache=False).logits[0].numpy()
 
 
+def prompt_lengths(manifest: Manifest, steps: int) -> tuple[int, ...]:
+    """PROMPT_LENGTHS, and for longrope one prompt past original_max_position_embeddings and one
+    that decodes past it within `steps` (kvforge.manifest.ModelSpec.long_factors) when the engine's
+    max_seq_len holds them."""
+    from runtime.greedy import capacity_needed
+
+    original = manifest.model.longrope_original
+    if original is None:
+        return PROMPT_LENGTHS
+    lengths = PROMPT_LENGTHS + (original + 1, max(1, original + 1 - steps // 2))
+    return lengths if capacity_needed(original, lengths, steps) <= manifest.max_seq_len else PROMPT_LENGTHS
+
+
 def verify(directory: Path, steps: int = 32, seed: int = 0) -> Report:
     from runtime.greedy import Greedy
     from runtime.runners import open_runner
@@ -70,11 +87,11 @@ def verify(directory: Path, steps: int = 32, seed: int = 0) -> Report:
     manifest = Manifest.load(directory)
     reference = reference_model(manifest)
     rng = np.random.default_rng(seed)
-    prompts = [rng.integers(3, manifest.model.vocab_size, n).tolist() for n in PROMPT_LENGTHS]
+    prompts = [rng.integers(3, manifest.model.vocab_size, n).tolist() for n in prompt_lengths(manifest, steps)]
     rows = len(prompts)
     run = Greedy(open_runner(directory), prompts, steps)
 
-    with progress(f"prefill of {rows} rows, lengths {list(PROMPT_LENGTHS)}"):
+    with progress(f"prefill of {rows} rows, lengths {[len(p) for p in prompts]}"):
         logits = run.prefill()
         prefill_diff = max(float(np.abs(logits[r, :len(p)] - hf_logits(reference, p)).max())
                            for r, p in enumerate(prompts))
@@ -91,7 +108,7 @@ def verify(directory: Path, steps: int = 32, seed: int = 0) -> Report:
                 sequences[r].append(int(tokens[r]))
             run.step()
     return Report(manifest.kv_dtype, prefill_diff, decode_diff, agree / (steps * rows), steps,
-                  TOLERANCE[manifest.kv_dtype])
+                  TOLERANCE[manifest.kv_dtype], rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"kv dtype {report.kv_dtype}: max abs logit diff {report.max_abs_diff:.3g} "
           f"(prefill {report.prefill_max_abs_diff:.3g}, decode {report.decode_max_abs_diff:.3g}; "
           f"tolerance {report.tolerance:g}); greedy agreement {report.greedy_agreement:.1%} "
-          f"over {report.steps} steps x {len(PROMPT_LENGTHS)} rows")
+          f"over {report.steps} steps x {report.rows} rows")
     print("PASS" if report.passed else "FAIL")
     return 0 if report.passed else 1
 

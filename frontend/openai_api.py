@@ -12,9 +12,9 @@ makes the answer calls. Request bodies are validated against
 the fields below; a field kvforge does not know or cannot honour gets an OpenAI-shaped 400
 naming it (never silently ignored). A client that disconnects cancels its Triton streams.
 Extensions beyond OpenAI's fields, with vLLM's meaning: top_k, min_tokens, repetition_penalty,
-ignore_eos, cache_salt (reaches the prefix cache's salt), the guided_* fields and structured_outputs
-(constrained decoding, as chat's response_format: `guide_of`), kvforge's speculative ("ngram" / "off"),
-and skip_special_tokens /
+ignore_eos, min_p, allowed_token_ids, stop_token_ids, cache_salt (reaches the prefix cache's
+salt), the guided_* fields and structured_outputs (constrained decoding, as chat's
+response_format: `guide_of`), kvforge's speculative ("ngram" / "off"), and skip_special_tokens /
 include_stop_str_in_output at the one value kvforge implements (true / false). An error of the
 llm model gets its kind's status (kvforge/errors.py); a message without a kind's prefix (what
 the model or Triton refuses) is the request's fault: 400.
@@ -29,7 +29,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Callable, Literal
+from typing import Annotated, AsyncIterator, Callable, Literal
 
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
@@ -47,13 +47,15 @@ from frontend.tool_calls import (NAME_PATTERN, ToolCalls, ToolFormat, arguments_
                                  strict_schema)
 from frontend.tool_calls import grammar as tool_grammar
 from kvforge import llm_io
-from kvforge.errors import kind_of, quote
+from kvforge.errors import RequestError, kind_of, quote
 from kvforge.llm_io import Delta
 from kvforge.manifest import Manifest
-from runtime.grammar import CACHE_SIZE, Guide
+from runtime.grammar import CACHE_SIZE, VLLM_KINDS, Guide
+from runtime.sampling import MAX_BIAS, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, check_in_vocabulary
 from runtime.tokenizer import Tokenizer
 
 MAX_CHOICES = 8  # n per request: each choice occupies an engine slot
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit on /v1/completions' logprobs (chat's top_logprobs: 20)
 MAX_PROMPTS = 8  # prompts in one /v1/completions request
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 MAX_TOOLS = 128  # OpenAI's own limit on tools per request
@@ -117,6 +119,11 @@ class Sampling(Body):
     ignore_eos: bool = False  # end tokens do not end the text; stop strings still do
     cache_salt: str | None = None
     speculative: Literal["ngram", "off"] | None = None  # kvforge's: prompt-lookup speculation (docs/serving.md)
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] | None = \
+        Field(None, max_length=MAX_LOGIT_BIAS)  # token id (as a string) -> bias added to its logit
+    min_p: float | None = Field(None, ge=0, le=1)
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True  # true only: kvforge's text never holds special tokens
     include_stop_str_in_output: bool = False  # false only: the text ends before the stop string
     # constrained decoding under vLLM's names (at most one guide per request: guide_of)
@@ -126,14 +133,26 @@ class Sampling(Body):
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
 
+    @field_validator("logit_bias")
+    @classmethod
+    def token_id_keys(cls, value):
+        bad = next((key for key in value or {} if not key.isascii() or not key.isdigit()), None)
+        if bad is not None:
+            raise ValueError(f"keys are token ids, got {quote(bad)}")
+        return value
+
+    def token_ids(self) -> dict[str, list[int]]:
+        """The token ids each field names (checked against the vocabulary)."""
+        return {"logit_bias": [int(key) for key in self.logit_bias or {}],
+                "allowed_token_ids": self.allowed_token_ids or [], "stop_token_ids": self.stop_token_ids or []}
+
 
 class CompletionRequest(Sampling):
     prompt: str | list[str] | list[int]
     max_tokens: int | None = Field(DEFAULT_COMPLETION_TOKENS, ge=1)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)  # the most likely tokens' too
     best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
     suffix: str | None = None
 
 
@@ -214,8 +233,7 @@ class ChatRequest(Sampling):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
-    logit_bias: dict[str, float] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
     # tools reach the chat template as apply_chat_template passes them; the calls in the answer
     # are read out of it (frontend/tool_calls.py)
@@ -245,6 +263,7 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -253,6 +272,7 @@ class Choice:
         self.text += delta.text
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs or []
+        self.top_logprobs += delta.top_logprobs or []
         self.finish_reason = delta.finish_reason or self.finish_reason
         self.prompt_tokens, self.cached_tokens = delta.prompt_tokens, delta.cached_tokens
 
@@ -273,7 +293,7 @@ def guide_of(body: Sampling, tool_format: ToolFormat | None = None) -> Guide | N
     tool_choice (required or a named function: the calls' grammar in the model's tool_format) or
     response_format, vLLM's guided_* or structured_outputs; a 400 naming the field when two do,
     when a response_format is malformed, or when the guide does not compile."""
-    given = []  # (field, guide kind, text)
+    given = []  # (field, guide kind, its text or JSON value)
     tools = tool_guide(body, tool_format) if isinstance(body, ChatRequest) and tool_format is not None else None
     if tools is not None:
         given.append(("tool_choice", "ebnf_grammar", tools))
@@ -288,25 +308,18 @@ def guide_of(body: Sampling, tool_format: ToolFormat | None = None) -> Guide | N
                           json.dumps(strict_schema(schema) if response_format.json_schema.strict else schema)))
         elif response_format.type == "json_object":
             given.append(("response_format", "json", ""))
-    outputs = body.structured_outputs or StructuredOutputs()
-    for name, kind, value in (("guided_json", "json_schema", body.guided_json),
-                              ("guided_regex", "regex", body.guided_regex),
-                              ("guided_choice", "choice", body.guided_choice),
-                              ("guided_grammar", "ebnf_grammar", body.guided_grammar),
-                              ("structured_outputs.json", "json_schema", outputs.json_),
-                              ("structured_outputs.regex", "regex", outputs.regex),
-                              ("structured_outputs.choice", "choice", outputs.choice),
-                              ("structured_outputs.grammar", "ebnf_grammar", outputs.grammar),
-                              ("structured_outputs.json_object", "json", outputs.json_object or None)):
-        if value is not None:  # a schema or a choice list as JSON text; a json guide has none
-            given.append((name, kind, "" if kind == "json" else value if isinstance(value, str) else json.dumps(value)))
+    outputs = (body.structured_outputs or StructuredOutputs()).model_dump(by_alias=True)
+    for prefix, values in (("guided_", {key: getattr(body, f"guided_{key}", None) for key in VLLM_KINDS}),
+                           ("structured_outputs.", outputs)):
+        given += [(prefix + key, kind, values[key]) for key, kind in VLLM_KINDS.items()
+                  if values[key] not in (None, False)]  # json_object false asks for nothing
     if len(given) > 1:
         raise APIError(400, f"{given[0][0]} and {given[1][0]} both constrain the output; send one of them",
                        param=given[1][0])
     if not given:
         return None
-    name, kind, text = given[0]
-    guide = Guide(kind, text)
+    name, kind, value = given[0]
+    guide = Guide.of_value(kind, value)
     problem = guide_error(guide)
     if problem:
         raise APIError(400, problem, param="response_format.json_schema.schema" if kind == "json_schema" and
@@ -343,7 +356,9 @@ def tool_guide(body: ChatRequest, tool_format: ToolFormat) -> str | None:
 
 
 def llm_inputs(prompt: str | list[int], body: Sampling, guide: Guide | None, max_tokens: int, seed: int | None,
-               echo: bool, logprobs: bool) -> list:
+               echo: bool, logprobs: int | None) -> list:
+    """llm's inputs for one choice; logprobs: None, or how many most likely tokens' log-probs
+    come with the chosen one's."""
     inputs = [tensor("input_ids", prompt) if isinstance(prompt, list) else tensor("text_input", prompt),
               tensor("max_tokens", max_tokens), tensor("stream", True),
               tensor("temperature", body.temperature), tensor("top_p", body.top_p)]
@@ -355,7 +370,12 @@ def llm_inputs(prompt: str | list[int], body: Sampling, guide: Guide | None, max
                 ("stop_words", [body.stop] if isinstance(body.stop, str) else (body.stop or None)),
                 ("ignore_eos", True if body.ignore_eos else None),
                 ("exclude_input_in_output", False if echo else None),
-                ("return_log_probs", True if logprobs else None)]
+                ("return_log_probs", True if logprobs is not None else None), ("logprobs", logprobs or None),
+                ("min_p", body.min_p), ("allowed_token_ids", body.allowed_token_ids or None),
+                ("stop_token_ids", body.stop_token_ids or None)]
+    if body.logit_bias:
+        optional += [("logit_bias_token_ids", [int(key) for key in body.logit_bias]),
+                     ("logit_bias", list(body.logit_bias.values()))]
     if guide is not None:
         optional += [("guided_decoding_guide_type", guide.kind), ("guided_decoding_guide", guide.text or None)]
     return inputs + [tensor(name, value) for name, value in optional if value is not None]
@@ -421,6 +441,14 @@ class OpenAIServer:
             raise APIError(404, f"the model {quote(body.model)} does not exist; this server serves {self.config.model!r}",
                            param="model", code="model_not_found")
 
+    def check_token_ids(self, body: Sampling) -> None:
+        """A 400 naming the field whose token id is not in the model's vocabulary."""
+        for name, ids in body.token_ids().items():
+            try:
+                check_in_vocabulary(name, ids, self.manifest.model.vocab_size)
+            except RequestError as e:
+                raise APIError(400, str(e), param=name) from None
+
     def max_tokens(self, prompt: str | list[int], requested: int | None) -> int:
         """What the client asked for, or (no limit given) the rest of the context."""
         if requested is not None:
@@ -451,19 +479,15 @@ def render_chat(template: ChatTemplate, body: ChatRequest) -> str:
 
 
 def refuse_unsupported(body: Sampling) -> None:
-    """Fields whose only value kvforge can honour is their default."""
+    """Fields whose only value kvforge can honour is their default, and one that needs another."""
     if not body.skip_special_tokens:
         raise APIError(400, "skip_special_tokens must be true: kvforge's text never holds special tokens",
                        param="skip_special_tokens")
     if body.include_stop_str_in_output:
         raise APIError(400, "include_stop_str_in_output must be false: kvforge's text ends before the stop string",
                        param="include_stop_str_in_output")
-    if getattr(body, "logit_bias", None):
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
-    alternatives = "logprobs" if isinstance(body, CompletionRequest) else "top_logprobs"
-    if getattr(body, alternatives):
-        raise APIError(400, f"{alternatives} must be 0: kvforge returns the chosen token's log-prob only, "
-                            "not the most likely alternatives", param=alternatives)
+    if isinstance(body, ChatRequest) and body.top_logprobs and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if isinstance(body, CompletionRequest):
         if body.suffix:
             raise APIError(400, "suffix (insertion) is not supported", param="suffix")
@@ -496,9 +520,10 @@ async def until_disconnected(request: Request) -> None:
 class Completion:
     """One /v1 request in flight: its choices' llm streams fanned into one queue."""
 
-    def __init__(self, server: OpenAIServer, kind: str, body: Sampling, choices: list[Choice], logprobs: bool,
+    def __init__(self, server: OpenAIServer, kind: str, body: Sampling, choices: list[Choice], logprobs: int | None,
                  tool_reader: Callable[[], ToolCalls] | None = None):
-        self.server, self.kind, self.body, self.choices, self.logprobs = server, kind, body, choices, logprobs
+        self.server, self.kind, self.body, self.choices = server, kind, body, choices
+        self.logprobs = logprobs  # None: no log-probs; else how many most likely tokens come with each chosen one
         self.tool_reader = tool_reader  # chat with tools: each choice's answer is read for calls
         self.streamed_calls: dict[int, ToolCalls] = {}  # a streaming choice's reader
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
@@ -554,15 +579,24 @@ class Completion:
 
     # ------------------------------------------------------------------ response bodies
 
-    def logprobs_of(self, token_ids: list[int], logprobs: list[float]) -> dict | None:
-        if not self.logprobs:
+    def logprobs_of(self, token_ids: list[int], logprobs: list[float],
+                    tops: list[list[tuple[int, float]]]) -> dict | None:
+        if self.logprobs is None:
             return None
-        tokens = [self.server.tokenizer.decode([t]) for t in token_ids]
+        text = self.server.tokenizer.decode
+        tokens = [text([t]) for t in token_ids]
+        tops = tops or [[] for _ in token_ids]  # none asked for
         if self.kind == "chat":
-            return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                                for t, lp in zip(tokens, logprobs)], "refusal": None}
+            def entry(token: str, logprob: float) -> dict:
+                return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+            return {"content": [{**entry(t, lp), "top_logprobs": [entry(text([i]), v) for i, v in top]}
+                                for t, lp, top in zip(tokens, logprobs, tops)], "refusal": None}
         offsets = np.cumsum([0] + [len(t) for t in tokens[:-1]]).tolist() if tokens else []
-        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets}
+        # as OpenAI: each position's most likely tokens and the chosen one (up to logprobs + 1)
+        top_dicts = [{**{text([i]): v for i, v in top}, t: lp} for t, lp, top in zip(tokens, logprobs, tops)] \
+            if self.logprobs else None
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top_dicts, "text_offset": offsets}
 
     def envelope(self, choices: list[dict], chunk: bool) -> dict:
         kind = {("chat", False): "chat.completion", ("chat", True): "chat.completion.chunk"}.get(
@@ -571,8 +605,9 @@ class Completion:
                 "system_fingerprint": None, "choices": choices}
 
     def choice_body(self, choice: Choice, text: str, token_ids: list[int], logprobs: list[float],
-                    finish_reason: str | None, chunk: bool) -> dict:
-        body = {"index": choice.index, "logprobs": self.logprobs_of(token_ids, logprobs), "finish_reason": finish_reason}
+                    tops: list[list[tuple[int, float]]], finish_reason: str | None, chunk: bool) -> dict:
+        body = {"index": choice.index, "logprobs": self.logprobs_of(token_ids, logprobs, tops),
+                "finish_reason": finish_reason}
         if self.kind != "chat":
             body["text"] = text
         elif self.tool_reader is None:
@@ -592,7 +627,8 @@ class Completion:
         return body
 
     def final(self) -> dict:
-        body = self.envelope([self.choice_body(c, c.text, c.token_ids, c.logprobs, c.finish_reason, chunk=False)
+        body = self.envelope([self.choice_body(c, c.text, c.token_ids, c.logprobs, c.top_logprobs, c.finish_reason,
+                                               chunk=False)
                               for c in self.choices], chunk=False)
         return {**body, "usage": usage(self.choices)}
 
@@ -608,7 +644,8 @@ class Completion:
         try:
             async for choice, delta in all_events():
                 yield event(self.envelope([self.choice_body(choice, delta.text, delta.token_ids, delta.logprobs or [],
-                                                            delta.finish_reason, chunk=True)], chunk=True))
+                                                            delta.top_logprobs or [], delta.finish_reason, chunk=True)],
+                                          chunk=True))
             if self.body.stream_options and self.body.stream_options.include_usage:
                 yield event({**self.envelope([], chunk=True), "usage": usage(self.choices)})
         except APIError as e:  # after the 200 went out, an error is one more event
@@ -683,17 +720,17 @@ def create_openai_app(config: FrontConfig) -> FastAPI:
             else body.prompt
         if not prompts or len(prompts) > MAX_PROMPTS:
             raise APIError(400, f"send 1..{MAX_PROMPTS} prompts, got {len(prompts)}", param="prompt")
-        logprobs = body.logprobs is not None
+        server.check_token_ids(body)
 
         def choices() -> list[Choice]:
             guide = guide_of(body)
             return [Choice(p * body.n + j, p, llm_inputs(prompt, body, guide,
                                                          server.max_tokens(prompt, body.max_tokens),
-                                                         seed_of(body, j), body.echo, logprobs))
+                                                         seed_of(body, j), body.echo, body.logprobs))
                     for p, prompt in enumerate(prompts) for j in range(body.n)]
 
         # tokenizing a long prompt is off the event loop, which relays every other stream's tokens
-        return await Completion(server, "text", body, await asyncio.to_thread(choices), logprobs).respond(request)
+        return await Completion(server, "text", body, await asyncio.to_thread(choices), body.logprobs).respond(request)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize), Depends(unicode_body)])
     async def chat_completions(body: ChatRequest, request: Request):
@@ -702,17 +739,19 @@ def create_openai_app(config: FrontConfig) -> FastAPI:
         if body.max_tokens is not None and body.max_completion_tokens is not None \
                 and body.max_tokens != body.max_completion_tokens:
             raise APIError(400, "max_tokens and max_completion_tokens differ; send one", param="max_completion_tokens")
+        server.check_token_ids(body)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
 
         def choices() -> list[Choice]:
             prompt = server.chat_prompt(body)
             guide = guide_of(body, server.tool_format)
             max_tokens = server.max_tokens(prompt, body.max_completion_tokens or body.max_tokens)
-            return [Choice(j, 0, llm_inputs(prompt, body, guide, max_tokens, seed_of(body, j), False, body.logprobs))
+            return [Choice(j, 0, llm_inputs(prompt, body, guide, max_tokens, seed_of(body, j), False, logprobs))
                     for j in range(body.n)]
 
         # rendering the template, checking a guide and tokenizing are off the event loop, which relays every
         # other stream's tokens
-        return await Completion(server, "chat", body, await asyncio.to_thread(choices), body.logprobs,
+        return await Completion(server, "chat", body, await asyncio.to_thread(choices), logprobs,
                                 server.tool_reader(body)).respond(request)
 
     return app

@@ -41,7 +41,15 @@ STRING = JsonType("a string", lambda v: isinstance(v, str))
 STRINGS = JsonType("a string or a list of strings",
                    lambda v: isinstance(v, str) or isinstance(v, list) and all(isinstance(s, str) for s in v))
 BOOL = JsonType("true or false", lambda v: isinstance(v, bool))
-NUMBER = JsonType("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+NUMBER = JsonType("a number", _number)
+NUMBERS = JsonType("a number or a list of numbers",
+                   lambda v: _number(v) or isinstance(v, list) and all(_number(n) for n in v))
 INT32 = JsonType("an integer", lambda v: _integer(v, -2**31, 2**31))
 INT32S = JsonType("an integer or a list of integers",
                   lambda v: _integer(v, -2**31, 2**31) or isinstance(v, list) and all(_integer(i, -2**31, 2**31)
@@ -107,6 +115,15 @@ INPUTS = {t.name: t for t in (
     _input("beam_width", "INT32", INT32),
     _input("num_return_sequences", "INT32", INT32),
     _input("return_log_probs", "BOOL", BOOL),
+    # vLLM's (and TensorRT-LLM's LLM API) logprobs: also return this many most likely tokens'
+    # log-probs per output token (0..20; > 0 implies return_log_probs)
+    _input("logprobs", "INT32", INT32),
+    _input("min_p", "FP32", NUMBER),  # vLLM's: keep tokens with p >= min_p * p_max (after temperature)
+    # OpenAI's logit_bias as two lists: logit_bias[i] (in [-100, 100]) is added to token logit_bias_token_ids[i]
+    _input("logit_bias_token_ids", "INT32", INT32S, dims=(-1,), ragged=True),
+    _input("logit_bias", "FP32", NUMBERS, dims=(-1,), ragged=True),
+    _input("allowed_token_ids", "INT32", INT32S, dims=(-1,), ragged=True),  # vLLM's: only these are chosen
+    _input("stop_token_ids", "INT32", INT32S, dims=(-1,), ragged=True),  # vLLM's: these end the text too, unsent
     _input("speculative", "BYTES", STRING),  # "ngram" | "off" (default: the server's --speculative)
     # constrained decoding, as TensorRT-LLM names it: json | json_schema | regex | ebnf_grammar | choice
     _input("guided_decoding_guide_type", "BYTES", STRING),
@@ -127,6 +144,10 @@ OUTPUTS = {t.name: t for t in (
     Tensor("finish_reason", "BYTES", (1,)),  # "" until the last response
     Tensor("cum_log_probs", "FP32", (-1,)),  # these two only when return_log_probs is true
     Tensor("output_log_probs", "FP32", (-1, -1)),
+    # [beam 1, tokens, k]: each output token's k = logprobs most likely tokens and their log-probs,
+    # most likely first (only when logprobs > 0)
+    Tensor("output_top_log_probs", "FP32", (-1, -1, -1)),
+    Tensor("output_top_token_ids", "INT32", (-1, -1, -1)),
     Tensor("cached_tokens", "INT32", (1,)),  # prompt tokens served by the prefix cache
 )}
 
@@ -175,6 +196,11 @@ def strings(inputs: Inputs, name: str) -> tuple[str, ...]:
     return tuple(map(utf8(name), values)) if values is not None else ()
 
 
+def token_ids(inputs: Inputs, name: str) -> tuple[int, ...]:
+    values = inputs.get(name)
+    return tuple(values.tolist()) if values is not None else ()
+
+
 def either(inputs: Inputs, names: tuple[str, str], convert):
     """The value of whichever of two alias inputs was sent (TensorRT-LLM renamed some inputs)."""
     values = {name: one_value(inputs, name, None, convert) for name in names}
@@ -219,6 +245,7 @@ class Delta:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: (id, log p), most likely first
     finish_reason: str | None = None  # on the last response: "stop", "length" or "cancelled"
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -233,8 +260,10 @@ class Delta:
 
         text, logprobs, reason = values("text_output"), values("output_log_probs"), values("finish_reason")
         prompt_tokens, cached_tokens = values("num_input_tokens"), values("cached_tokens")
+        ids = values("output_ids") or []
         return cls(text=b"".join(text).decode("utf-8") if text is not None else "",
-                   token_ids=values("output_ids") or [], logprobs=logprobs,
+                   token_ids=ids, logprobs=logprobs,
+                   top_logprobs=per_token(values("output_top_token_ids"), values("output_top_log_probs"), len(ids)),
                    finish_reason=(reason[0].decode() or None) if reason else None,
                    prompt_tokens=prompt_tokens[0] if prompt_tokens else 0,
                    cached_tokens=cached_tokens[0] if cached_tokens else 0, **more)
@@ -246,6 +275,17 @@ class Delta:
         def listed(value) -> list | None:
             return value if isinstance(value, list) or value is None else [value]
 
-        return cls(text=body.get("text_output", ""), token_ids=listed(body.get("output_ids")) or [],
-                   logprobs=listed(body.get("output_log_probs")), finish_reason=body.get("finish_reason") or None,
+        ids = listed(body.get("output_ids")) or []
+        return cls(text=body.get("text_output", ""), token_ids=ids, logprobs=listed(body.get("output_log_probs")),
+                   top_logprobs=per_token(listed(body.get("output_top_token_ids")),
+                                          listed(body.get("output_top_log_probs")), len(ids)),
+                   finish_reason=body.get("finish_reason") or None,
                    prompt_tokens=body.get("num_input_tokens", 0), cached_tokens=body.get("cached_tokens", 0), **more)
+
+
+def per_token(ids: list[int] | None, logprobs: list[float] | None, tokens: int) -> list[list[tuple[int, float]]] | None:
+    """The top-k outputs, flattened, as each token's [(id, log p)]."""
+    if ids is None or logprobs is None:
+        return None
+    k = len(ids) // tokens if tokens else 0
+    return [list(zip(ids[i * k:(i + 1) * k], logprobs[i * k:(i + 1) * k])) for i in range(tokens)]

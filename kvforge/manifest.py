@@ -46,7 +46,22 @@ ROPE_SCALINGS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
              "attention_factor", "truncate"),
+    # Phi-3/3.5/4-mini: per-channel divisors of the frequencies, short_factor while a sequence fits
+    # original_max_position_embeddings, long_factor beyond (ModelSpec.long_factors), cos/sin x one attention factor
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings", "factor", "attention_factor"),
 }
+# The longrope rule (ModelSpec.long_factors): which of the two factor lists a row's RoPE uses.
+# transformers picks one per forward call from max(position_ids) + 1, and its generate()
+# recomputes a sequence's whole cache in one call when the sequence first passes
+# original_max_position_embeddings (Phi3ForCausalLM.prepare_inputs_for_generation), so every key
+# it attends over always has the factors of its query: short while the sequence fits the original
+# length, long beyond. kvforge does the same per row: a row runs on the long factors when its
+# prompt is longer than the original length (every chunk of it, from the first), and a row that
+# decodes past it is recomputed once from its tokens with the long factors (the scheduler;
+# runtime.greedy alone too). The graph reads the length the choice is made from per row
+# (prompt_lengths); the prefix cache's hash chain starts from the choice (kvforge/block_hash.py),
+# so short- and long-factor K/V never serve each other.
+LONGROPE_ARCHITECTURES = ("Phi3ForCausalLM",)
 MLA_ROPE_SCALINGS = ("yarn",)  # DeepSeek's softmax scale follows yarn's mscale: the others are not checked there
 # Families whose layers slide only with use_sliding_window (and only those layer_types names),
 # and how transformers 5.24 lays the layer types out when config.json has none.
@@ -243,6 +258,18 @@ class ModelSpec:
         return (self.rope_scaling or {}).get("rope_type", "yarn") if self.rope_scaling else "default"
 
     @property
+    def longrope_original(self) -> int | None:
+        """longrope's original_max_position_embeddings, where its factors switch (long_factors); None: no longrope."""
+        return self.rope_scaling["original_max_position_embeddings"] if self.rope_type == "longrope" else None
+
+    def long_factors(self, length: int) -> bool:
+        """The longrope rule (the comment at LONGROPE_ARCHITECTURES): whether a row runs on the long
+        factors, from its prompt's length, or its sequence's when it was recomputed past the original
+        length (Sequence.rope_length). The graph applies it to prompt_lengths; it is part of the
+        prefix cache's hash chain, as K/V of the short factors differ from the long ones'."""
+        return self.longrope_original is not None and length > self.longrope_original
+
+    @property
     def output_bias(self) -> bool:
         """o_proj's bias: Qwen2's attention biases are q/k/v only; elsewhere attention_bias means all four."""
         return self.attention_bias and self.architecture != "Qwen2ForCausalLM"
@@ -385,24 +412,34 @@ def read_rope(cfg: dict, arch: str) -> tuple[float, dict | None]:
     theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     if kind not in ("default", *ROPE_SCALINGS):
         raise ManifestError(
-            f"unsupported rope scaling {kind!r} for {arch}; supported: default, {', '.join(ROPE_SCALINGS)}"
-            + (" (longrope, Phi-3's and MiniCPM3-4B's: per-channel short/long factors that switch with the "
-               "sequence length, is not exported yet)" if kind == "longrope" else ""))
+            f"unsupported rope scaling {kind!r} for {arch}; supported: default, {', '.join(ROPE_SCALINGS)}")
+    if kind == "longrope" and arch not in LONGROPE_ARCHITECTURES:
+        raise ManifestError(
+            f"unsupported rope scaling 'longrope' for {arch}: it is exported for {', '.join(LONGROPE_ARCHITECTURES)} "
+            "(Phi-3/3.5/4-mini) only; MiniCPM3-4B's (MLA) is not yet")
     if partial_rotary_factor(cfg) != 1.0 and arch != "Phi3ForCausalLM":
         raise ManifestError(f"{arch}: partial_rotary_factor (RoPE on part of each head) is exported for "
                             "Phi3ForCausalLM only (transformers applies it there)")
     if kind == "default":
         return theta, None
-    if kind in ("llama3", "yarn"):
+    if kind in ("llama3", "yarn", "longrope"):
         rope["original_max_position_embeddings"] = int(cfg.get("original_max_position_embeddings")
                                                        or rope.get("original_max_position_embeddings")
                                                        or cfg["max_position_embeddings"])
-    if kind == "yarn" and rope.get("factor") is None:
+    if kind in ("yarn", "longrope") and rope.get("factor") is None:
         rope["factor"] = cfg["max_position_embeddings"] / rope["original_max_position_embeddings"]
     scaling = {"rope_type": kind, **{k: rope[k] for k in ROPE_SCALINGS[kind] if rope.get(k) is not None}}
-    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k in ROPE_SCALINGS[kind] and k not in scaling]
+    needed = ("factor", "low_freq_factor", "high_freq_factor", "short_factor", "long_factor")
+    missing = [k for k in needed if k in ROPE_SCALINGS[kind] and k not in scaling]
     if missing:
         raise ManifestError(f"{arch}: {kind} rope scaling needs {', '.join(missing)}")
+    if kind == "longrope":
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+        width = int(head_dim * partial_rotary_factor(cfg)) // 2
+        for name in ("short_factor", "long_factor"):
+            if len(scaling[name]) != width:
+                raise ManifestError(f"{arch}: longrope's {name} has {len(scaling[name])} entries; the {width} rotary "
+                                    "frequencies of a head need one each")
     return theta, scaling
 
 
@@ -630,6 +667,10 @@ def io_tensors(spec: ModelSpec, layout: str, dtype: str,
     from [P x seq chunk outputs, batch decode outputs]; logits [kept, vocab] only for the tokens in
     logit_index (generation: each sampling row's last token). The runner builds all of it from a
     right-padded batch (runtime/runners/ort.py, pack_step).
+    longrope (Phi-3/4): prompt_lengths, after the layout's inputs, gives each row's length its
+    factors are chosen from (ModelSpec.long_factors: the prompt's, or the sequence's it was recomputed at),
+    per row (concat, [batch]) or per token, its row's (inplace, [tokens]); the manifest lists it
+    for longrope models only.
     MLA: one tensor per layer, past_key_values.{i}.latent -> present.{i}.latent, [batch, 1, T, r + dr];
     int8 adds past_key_values.{i}.latent_scale [batch, 1, T, 2] (the scales of c_kv and k_pe).
     tensors (default: every layer holding max_positions): a ring tensor (CacheTensor.window) is
@@ -652,6 +693,8 @@ def io_tensors(spec: ModelSpec, layout: str, dtype: str,
                   TensorSpec("logit_index", "int64", ("kept",))]
         past_len = present_len = "capacity"
         past_prefix, present_prefix = "past_key_values", "present"
+    if spec.longrope_original is not None:  # each row's prompt length (concat) or each token's row's (inplace)
+        inputs.append(TensorSpec("prompt_lengths", "int64", ("batch",) if layout == "concat" else ("tokens",)))
     logits_shape = ("batch", "seq", spec.vocab_size) if layout == "concat" else ("kept", spec.vocab_size)
     outputs = [TensorSpec("logits", "float32", logits_shape)]
     tensors = cache_tensors(spec, dtype, spec.max_positions) if tensors is None else tensors

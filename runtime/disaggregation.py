@@ -90,6 +90,7 @@ class PrefillWorker:
         self.engine_dir, self.config, self.on_done = Path(engine_dir), config, on_done
         manifest = Manifest.load(engine_dir)
         self.codec = BlockCodec(kv_block_spec(manifest), cache_namespace(manifest))
+        self.spec = manifest.model
         run_folder = os.environ.get(env.RUN_FOLDER) or None
         self.private = Path(tempfile.mkdtemp(prefix="kvforge-pd-", dir=run_folder))  # 0700: the socket lives here
         root = Path(run_folder) if run_folder else DEFAULT_ROOT if DEFAULT_ROOT.is_dir() else self.private
@@ -125,7 +126,8 @@ class PrefillWorker:
         self._send({"op": "cancel", "job": job})
         if self.handoff is not None:
             blocks = (len(token_ids) - 1) // self.codec.spec.tokens
-            self.handoff.discard(chain(self.codec.namespace, salt, token_ids, blocks, self.codec.spec.tokens))
+            self.handoff.discard(chain(self.codec.namespace, salt, token_ids, blocks, self.codec.spec.tokens,
+                                       self.spec.long_factors(len(token_ids))))
 
     def _send(self, message: dict, job: int | None = None) -> bool:
         with self.lock:

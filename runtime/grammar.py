@@ -44,6 +44,9 @@ LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, step_max_it
 # max_tokens. A schema's own "x-guidance" options override these.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_OBJECT = {"type": "object"}
+# vLLM's guided decoding keys (guided_decoding, structured_outputs) -> their guide kind
+VLLM_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf_grammar",
+              "json_object": "json"}
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,12 @@ class Guide:
 
     kind: str
     text: str = ""
+
+    @classmethod
+    def of_value(cls, kind: str, value) -> "Guide":
+        """A guide from a JSON request's value: a schema or a choice list as an object or JSON
+        text, a json guide has none."""
+        return cls(kind, "" if kind == "json" else value if isinstance(value, str) else json.dumps(value))
 
     def check(self) -> None:
         if self.kind not in KINDS:

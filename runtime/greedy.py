@@ -19,8 +19,10 @@ class Greedy:
         self.runner = runner
         self.prompts = [list(p) for p in prompts]
         self.lengths = np.array([len(p) for p in prompts], np.int64)
-        longest = int(self.lengths.max())
-        runner.allocate(len(prompts), runner.bucket_for(min(longest + max_new_tokens, runner.manifest.max_seq_len)))
+        self.tokens = [list(p) for p in prompts]  # each row's tokens so far (a longrope row may feed them again)
+        self.original = runner.manifest.model.longrope_original
+        needed = capacity_needed(self.original, self.lengths, max_new_tokens)
+        runner.allocate(len(prompts), runner.bucket_for(min(needed, runner.manifest.max_seq_len)))
         self.last: np.ndarray | None = None  # logits of each row's newest position [rows, vocab]
 
     def prefill(self, every_position: bool = True) -> np.ndarray:
@@ -50,10 +52,33 @@ class Greedy:
         return self.last.argmax(-1)
 
     def step(self, tokens: np.ndarray | None = None) -> np.ndarray:
+        """Feed one token per row. A longrope row whose token passes the original length
+        (kvforge.manifest.ModelSpec.long_factors) feeds all its tokens again from position 0, on the long
+        factors, as transformers' generate() recomputes its cache there."""
         tokens = self.next_tokens if tokens is None else np.asarray(tokens, np.int64)
-        self.last = self.runner.step(tokens[:, None], self.lengths, np.ones(len(tokens), np.int64))[:, 0]
+        for row, token in zip(self.tokens, tokens):
+            row.append(int(token))
+        restart = self.lengths == self.original if self.original is not None else np.zeros(len(tokens), bool)
+        if not restart.any():
+            self.last = self.runner.step(tokens[:, None], self.lengths, np.ones(len(tokens), np.int64))[:, 0]
+        else:
+            num_new = np.where(restart, self.lengths + 1, 1)
+            ids = np.zeros((len(tokens), int(num_new.max())), np.int64)
+            for r, row in enumerate(self.tokens):
+                ids[r, :num_new[r]] = row[-num_new[r]:]
+            self.last = self.runner.step(ids, np.where(restart, 0, self.lengths), num_new,
+                                         last_positions(num_new))[:, 0]
         self.lengths = self.lengths + 1
         return self.last
+
+
+def capacity_needed(original: int | None, lengths, max_new_tokens: int) -> int:
+    """Cache positions Greedy's steps may reach: the longest prompt and its new tokens, plus for
+    longrope (original: its original length) the wide step of each row that may be recomputed
+    (concat's columns add up)."""
+    lengths = np.asarray(lengths)
+    restarts = 0 if original is None else int((lengths <= original).sum()) * (original + 1)
+    return int(lengths.max()) + restarts + max_new_tokens
 
 
 def greedy_tokens(runner: Runner, prompt: list[int], max_tokens: int, stop: set[int] = frozenset()) -> list[int]:

@@ -34,7 +34,7 @@ from runtime.kv.tiers.lower import LowerTiers
 from runtime.kv.tiers.redis import RedisTier
 from runtime.runners import open_runner
 from runtime.runners.base import Batch
-from runtime.sampling import SamplingParams
+from runtime.sampling import SamplingParams, check_vocabulary
 from runtime.scheduler import Scheduler
 from runtime.sequence import RequestOutput, Sequence
 from runtime.speculation import NgramIndex, Speculation
@@ -138,9 +138,7 @@ class LLMEngine:
         if params.max_tokens > limit - len(ids):
             raise RequestError(f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
                                f"the context of {limit} tokens; ask for at most {limit - len(ids)} tokens")
-        vocab = self.limits.vocab_size
-        if any(not 0 <= t < vocab for t in (*params.stop_token_ids, *(() if params.end_id is None else (params.end_id,)))):
-            raise RequestError(f"end_id and stop token ids must be in 0..{vocab - 1}")
+        check_vocabulary(params, self.limits.vocab_size)
         if params.bad_words:
             params = dataclasses.replace(params, bad_word_ids=tuple(
                 tuple(self.tokenizer.encode(word, add_special_tokens=False)) for word in params.bad_words))
@@ -328,7 +326,8 @@ class LLMEngine:
         scheduler measures the whole step, from scheduling it to its outputs, copies included, not
         the runner alone."""
         copies.run()  # rows moved and resized, prefix hits and swapped-out rows copied in
-        logits = self.runner.step(batch.input_ids, batch.write_positions, batch.num_new, batch.logit_positions)
+        logits = self.runner.step(batch.input_ids, batch.write_positions, batch.num_new, batch.logit_positions,
+                                  batch.prompt_lengths)
         with self._cond:
             outputs, copies = self.scheduler.postprocess(batch, logits)
         copies.run()  # finished rows refilled, the buffers shrunk

@@ -161,7 +161,7 @@ class Scheduler:
                              multi_row_steps=0, prompt_tokens=0, generated_tokens=0, finished=0,
                              cancelled=0, expired=0, prefix_waits=0, tier_loads_expired=0, preempted_swap=0,
                              preempted_recompute=0, row_steps=0, spec_verify_rows=0, spec_draft_tokens=0,
-                             spec_accepted_tokens=0)
+                             spec_accepted_tokens=0, longrope_recomputes=0)
         self.prefill_tokens_per_second: float | None = None  # measured, for the load-or-recompute choice
 
     @property
@@ -201,6 +201,7 @@ class Scheduler:
         outputs = [(seq, self._cancel(seq)) for seq in map(self.requests.get, self.cancelled) if seq]
         self.cancelled.clear()
         outputs += self._expire(time.perf_counter())
+        self._pass_longrope_original()
         while len(self.running) > 1 and not self.kv.rows.fits():
             self._preempt()
         for request_id in self.kv.loads.finish():
@@ -283,6 +284,31 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 
+    def _pass_longrope_original(self) -> None:
+        """A longrope row on the short factors whose next token passes original_max_position_embeddings
+        is recomputed from its tokens on the long ones, as transformers' generate() recomputes its
+        cache there (kvforge.manifest.ModelSpec.long_factors): it goes back to the front of the queue without
+        its KV, its chain hashes restart from the long factors' root, and it prefills again."""
+        original = self.kv.rows.runner.manifest.model.longrope_original
+        if original is None:
+            return
+        for seq in [s for s in self.running if s.rope_length <= original < len(s.tokens)]:
+            self.kv.preempt(seq, recompute=True)
+            seq.recomputed_at = len(seq.tokens)
+            seq.block_hashes.clear()
+            seq.tiers_checked = False  # its blocks under the long root may be on disk / Redis
+            seq.status = Status.WAITING
+            self.waiting.appendleft(seq)
+            self.counters["longrope_recomputes"] += 1
+
+    def _longrope_room(self, seq: Sequence) -> int:
+        """Drafted tokens seq may verify in one step without passing longrope's original length on
+        the short factors (the step after recomputes it first: _pass_longrope_original)."""
+        original = self.kv.rows.runner.manifest.model.longrope_original
+        if original is None or seq.rope_length > original:
+            return self.max_seq_len
+        return max(0, original - len(seq.tokens))
+
     def _next_batch(self) -> Batch:
         rows = self.kv.rows
         rows.prompts_first()
@@ -320,7 +346,7 @@ class Scheduler:
         if len(self.running) > self.speculation.max_rows or not any(s.ngrams for s in self.running):
             return None
         room = min(room, self.kv.rows.capacity - max(s.num_cached for s in self.running))
-        drafts = [s.draft(min(s.draft_limit, s.max_tokens_total - len(s.tokens) - 1, room - 1))
+        drafts = [s.draft(min(s.draft_limit, s.max_tokens_total - len(s.tokens) - 1, room - 1, self._longrope_room(s)))
                   if s.ngrams and s.num_output >= s.draft_resumes else [] for s in self.running]
         if not any(drafts):
             return None

@@ -10,7 +10,8 @@ import numpy as np
 
 from kvforge.errors import RequestError
 from runtime.grammar import Constraint
-from runtime.sampling import SamplingParams, adjust_logits, find_stop, log_softmax, sample, stop_hold_back
+from runtime.sampling import (SamplingParams, adjust_logits, find_stop, log_softmax, sample, stop_hold_back,
+                              top_logprobs)
 from runtime.speculation import NgramIndex
 from runtime.tokenizer import IncrementalDetokenizer
 
@@ -37,15 +38,20 @@ class RequestOutput:
     queue_seconds: float | None = None  # on the last output: how long the request waited for a slot
     handoff_seconds: float | None = None  # on the last output, if prefilled remotely: writing its hand-off
     logprobs: list[float] | None = None  # log p of each of token_ids, when the request asked for them
+    # per token of token_ids, its top_logprobs most likely alternatives [(id, log p)], when asked for
+    top_logprobs: list[list[tuple[int, float]]] | None = None
     cum_logprob: float = 0.0  # sum of the log-probs of every token generated so far
 
     def merge(self, later: "RequestOutput") -> "RequestOutput":
         """This output followed by the request's next one, as a single output."""
-        logprobs = self.logprobs + later.logprobs if self.logprobs is not None and later.logprobs is not None else None
+        def joined(mine: list | None, theirs: list | None) -> list | None:
+            return mine + theirs if mine is not None and theirs is not None else None
+
         return RequestOutput(self.request_id, self.text + later.text, self.token_ids + later.token_ids,
                              later.finished, later.finish_reason, later.error, later.prompt_tokens,
                              later.output_tokens, later.cached_tokens, later.queue_seconds, later.handoff_seconds,
-                             logprobs, later.cum_logprob)
+                             joined(self.logprobs, later.logprobs), joined(self.top_logprobs, later.top_logprobs),
+                             later.cum_logprob)
 
 
 @dataclass
@@ -80,6 +86,9 @@ class Sequence:
     draft_tried: int = 0  # drafted tokens verified after a held one
     draft_misses: int = 0  # its drafts in a row that failed outright
     draft_resumes: int = 0  # the output length from which it drafts again
+    # longrope: the sequence's length when it passed original_max_position_embeddings and was
+    # recomputed on the long factors (kvforge.manifest.ModelSpec.long_factors); None: its prompt's decides
+    recomputed_at: int | None = None
 
     def __post_init__(self):
         self.tokens = list(self.prompt_ids)
@@ -88,11 +97,17 @@ class Sequence:
         self.sent_chars = 0
         self.unsent_ids: list[int] = []
         self.unsent_logprobs: list[float] = []
+        self.unsent_top: list[list[tuple[int, float]]] = []
         self.cum_logprob = 0.0
 
     @property
     def num_prompt(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def rope_length(self) -> int:
+        """The length a longrope model picks this sequence's factors from (Batch.prompt_lengths)."""
+        return self.recomputed_at or self.num_prompt
 
     @property
     def num_output(self) -> int:
@@ -118,16 +133,21 @@ class Sequence:
         except RequestError as e:  # its guide allows no token its bans leave
             return self.finish("error", str(e))
 
-    def choose(self, logits: np.ndarray) -> tuple[int, float | None]:
-        """The next token from the last position's logits, and its log-prob if the request wants
-        it (the model's own: before penalties, bans and the guide's mask)."""
+    def choose(self, logits: np.ndarray) -> tuple[int, float | None, list[tuple[int, float]] | None]:
+        """The next token from the last position's logits, its log-prob and the most likely
+        tokens' if the request wants them (the model's own: before penalties, bans and the
+        guide's mask; the whole row's log-softmax only for a row that asks)."""
         params = self.params
         adjusted = adjust_logits(logits, params, self.tokens, self.num_prompt, self.stop_token_ids) \
             if params.adjusts_logits else logits
         if self.constraint is not None:
             adjusted = self.constraint.mask(adjusted)
         token = sample(adjusted, params, self.rng)
-        return token, log_softmax(logits, token) if params.logprobs else None
+        if not params.logprobs:
+            return token, None, None
+        logprobs = log_softmax(logits)
+        top = top_logprobs(logprobs, params.top_logprobs) if params.top_logprobs else None
+        return token, float(logprobs[token]), top
 
     def draft(self, k: int) -> list[int]:
         """Up to k tokens drafted from its own context (speculation), cut before the first its
@@ -137,7 +157,8 @@ class Sequence:
             return drafted[:self.constraint.valid_prefix(drafted)]
         return drafted
 
-    def append(self, token: int, logprob: float | None = None) -> RequestOutput:
+    def append(self, token: int, logprob: float | None = None,
+               top: list[tuple[int, float]] | None = None) -> RequestOutput:
         """Take a sampled token; the output carries it (one token per output), its text may be
         empty while the tail is held back (an unfinished character or a possible stop string)."""
         if token in (self.params.stop_token_ids if self.params.ignore_eos else self.stop_token_ids):
@@ -149,6 +170,8 @@ class Sequence:
         if logprob is not None:
             self.unsent_logprobs.append(logprob)
             self.cum_logprob += logprob
+        if top is not None:
+            self.unsent_top.append(top)
         before = len(self.text)
         self.text += self.detokenizer.push(token)
         stop_at = find_stop(self.text, self.params.stop, before) if self.num_output >= self.params.min_tokens else -1
@@ -196,6 +219,7 @@ class Sequence:
                             prompt_tokens=self.num_prompt, output_tokens=self.num_output,
                             cached_tokens=self.cached_tokens,
                             logprobs=self.unsent_logprobs if self.params.logprobs else None,
+                            top_logprobs=self.unsent_top if self.params.top_logprobs else None,
                             cum_logprob=self.cum_logprob)
-        self.sent_chars, self.unsent_ids, self.unsent_logprobs = upto, [], []
+        self.sent_chars, self.unsent_ids, self.unsent_logprobs, self.unsent_top = upto, [], [], []
         return out

@@ -33,7 +33,7 @@ class ArithmeticRunner(OrtInplaceRunner):
     def __init__(self, manifest: Manifest | None = None):
         Runner.__init__(self, manifest or tiny_manifest())  # no ONNX Runtime session: nothing runs a graph
 
-    def step(self, input_ids, write_positions, num_new, logit_positions=None):
+    def step(self, input_ids, write_positions, num_new, logit_positions=None, prompt_lengths=None):
         positions = self.check_step(np.asarray(input_ids), np.asarray(write_positions), np.asarray(num_new),
                                     logit_positions)
         for b, (start, n) in enumerate(zip(np.asarray(write_positions), np.asarray(num_new))):

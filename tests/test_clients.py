@@ -24,7 +24,7 @@ from tests.conftest import SERVING_CONTEXT
 
 PROMPT = "def fibonacci(n):"
 OUTPUTS = ("text_output", "output_ids", "num_input_tokens", "num_output_tokens", "sequence_length", "finish_reason",
-           "cum_log_probs", "output_log_probs")
+           "cum_log_probs", "output_log_probs", "output_top_log_probs", "output_top_token_ids")
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +207,14 @@ def test_vllm_model_refuses_what_it_cannot_do(triton):
         vllm({"max_tokens": 4}, stream=True, exclude_input_in_output=False))
     assert "max_tokens must be an integer" in refused(vllm({"max_tokens": "many"}))
     assert "num_return_sequences must be 1" in refused(vllm({"max_tokens": 4, "n": 2}))
+    assert "unknown guided_decoding keys backend, whitespace_pattern" in refused(
+        vllm({"max_tokens": 4, "guided_decoding": {"choice": ["a"], "backend": "xgrammar", "whitespace_pattern": " "}}))
+    assert "guided_decoding needs exactly one of" in refused(
+        vllm({"max_tokens": 4, "guided_decoding": {"choice": ["a"], "regex": "a"}}))
+    choices = ["yes", "no", "maybe not"]
+    for guide in ({"choice": choices}, {"regex": "yes|no|maybe not"}, {"grammar": 'start: "yes" | "no" | "maybe not"'}):
+        got = send(triton, "vllm_model", vllm({"max_tokens": 16, "temperature": 1.0, "guided_decoding": guide}))
+        assert text_of(got).removeprefix(PROMPT) in choices, guide
 
 
 # ---------------------------------------------------------------------- sampling inputs
@@ -288,6 +296,34 @@ def test_log_probs_are_the_log_softmax_of_the_logits(triton, tokenizer):
     assert abs(float(responses[-1]["cum_log_probs"].reshape(-1)[0]) - expected.sum()) < 1e-3
 
 
+def test_top_log_probs_min_p_logit_bias_and_token_id_lists(triton):
+    greedy = ids_of(generate(triton))
+    responses = generate(triton, logprobs=3)  # > 0 implies return_log_probs
+    assert ids_of(responses) == greedy
+    assert responses[0]["output_top_token_ids"].shape == (1, 1, len(ids_of(responses[:1])), 3)
+    top_ids = np.concatenate([r["output_top_token_ids"].reshape(-1, 3) for r in responses])
+    top = np.concatenate([r["output_top_log_probs"].reshape(-1, 3) for r in responses])
+    chosen = np.concatenate([r["output_log_probs"].reshape(-1) for r in responses])
+    assert top_ids[:, 0].tolist() == greedy and np.array_equal(top[:, 0], chosen) and (np.diff(top) <= 0).all()
+    favourite = next(t for t in range(100, 200) if t not in greedy)
+    ids = lambda *values: np.array([values], np.int32)  # noqa: E731
+    assert ids_of(generate(triton, logit_bias_token_ids=ids(favourite), logit_bias=np.array([[100]], np.float32))) \
+        == [favourite] * 24
+    allowed = {favourite, *greedy[:3]}
+    assert set(ids_of(generate(triton, allowed_token_ids=ids(*allowed), temperature=1.0))) <= allowed
+    assert ids_of(generate(triton, min_p=1.0, temperature=1.5)) == greedy
+    stop = greedy[5]
+    assert ids_of(generate(triton, stop_token_ids=ids(stop))) == greedy[:greedy.index(stop)]
+    with pytest.raises(RequestFailed, match=r"logit_bias_token_ids \(1\) and logit_bias \(0\) must be as long"):
+        generate(triton, logit_bias_token_ids=ids(favourite))
+    response = urllib.request.urlopen(urllib.request.Request(
+        f"http://{triton.http_url}/v2/models/llm/generate", method="POST", headers={"Content-Type": "application/json"},
+        data=json.dumps({"text_input": PROMPT, "max_tokens": 4, "logprobs": 2, "min_p": 0.5,
+                         "stop_token_ids": [favourite], "allowed_token_ids": greedy}).encode()), timeout=120)
+    body = json.loads(response.read())
+    assert body["output_ids"] == greedy[:4] and body["output_top_token_ids"][::2] == greedy[:4], body
+
+
 def test_echo_top_p_zero_and_token_counts(triton, grpc):
     greedy = grpc.generate(PROMPT, max_tokens=24).text
     assert text_of(generate(triton, exclude_input_in_output=False)) == PROMPT + greedy
@@ -317,7 +353,9 @@ def test_a_request_gets_the_outputs_it_asked_for(triton):
     (dict(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0"),
     (dict(presence_penalty=3.0), "presence_penalty must be in [-2, 2]"),
     (dict(min_tokens=100), "min_tokens must be an integer in 0..max_tokens"),
-    (dict(end_id=10 ** 6), "end_id and stop token ids must be in"),
+    (dict(end_id=10 ** 6), "end_id names token 1000000, which is not in the vocabulary"),
+    (dict(logprobs=21), "top_logprobs must be an integer in 0..20"),
+    (dict(min_p=2.0), "min_p must be in [0, 1]"),
     (dict(seed=np.array([[1]], np.uint64), random_seed=np.array([[2]], np.uint64)), "seed and random_seed"),
 ])
 def test_options_kvforge_cannot_honour_are_refused(triton, grpc, inputs, message):

@@ -2,7 +2,9 @@
 (q/k norms, linear RoPE) and SmolLM3 (NoPE layers), as tiny Hugging Face checkpoints with random
 weights, exported in both layouts and run by the in-process engine against transformers'
 generate(); Mistral's and Qwen2's sliding windows as transformers applies them, generating past
-them; Gemma 2, Gemma 3 (text) and Phi-3 (fused projections, partial RoPE); instruct checkpoints
+them; Gemma 2, Gemma 3 (text) and Phi-3 (fused projections, partial RoPE); Phi-3.5 and Phi-4-mini
+LongRoPE (short/long factors per row, recomputed past the original length as generate() does,
+kept across chunked prefill and in the prefix cache's hash chain); instruct checkpoints
 with the public chat templates of Llama 3.1, Qwen3 and Gemma 3 (generation_config.json's stop ids,
 chat_template.jinja, the prompt ids apply_chat_template makes, served through Triton)."""
 from __future__ import annotations
@@ -55,7 +57,20 @@ FAMILIES = {
                                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
     # fused qkv_proj / gate_up_proj, RoPE on half of each head, a window on every layer
     "phi3": ("Phi3", dict(partial_rotary_factor=0.5, sliding_window=26)),
+    # LongRoPE as Phi-3.5-mini's config has it (original length top level, factors in rope_scaling,
+    # the attention factor from max_position_embeddings / original): the prompt fits the original
+    # length and the generation passes it (transformers recomputes its cache there)
+    "phi3.5-longrope": ("Phi3", dict(original_max_position_embeddings=ORIGINAL, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
+        "long_factor": [1.0, 1.5, 2.5, 4.0, 7.0, 12.0, 20.0, 32.0]})),
+    # Phi-4-mini's: RoPE on three quarters of each head (6 frequencies), tied embeddings
+    "phi4-mini-longrope": ("Phi3", dict(partial_rotary_factor=0.75, tie_word_embeddings=True,
+                                        original_max_position_embeddings=ORIGINAL, rope_scaling={
+                                            "rope_type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0],
+                                            "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]})),
 }
+LONGROPE = ("phi3.5-longrope", "phi4-mini-longrope")
+LONG_PROMPT = 40  # past ORIGINAL: the long factors from the prompt on
 WINDOWED = ("mistral-window", "qwen2-window")
 # Ring exports (sliding layers hold window + RING_CHUNK - 1 positions): a Gemma-3-shaped hybrid and
 # a Mistral-shaped all-sliding model; the 28-token prompt prefills in 12 + 12 + 4 and generation
@@ -239,6 +254,9 @@ def test_rope_frequencies_are_transformers_bits():
         expected, factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config)
         got, got_factor = rope_frequencies(spec)
         assert got.dtype == expected.dtype and bool((got == expected).all()) and got_factor == factor
+        if rope["rope_type"] == "longrope":  # the long factors: what transformers takes past the original length
+            long, _ = ROPE_INIT_FUNCTIONS["longrope"](config, seq_len=ORIGINAL + 1)
+            assert bool((rope_frequencies(spec, long=True)[0] == long).all()) and not bool((long == expected).all())
     # transformers 4's rope_scaling beside a rope_theta, and 5's rope_parameters holding it: the same spec
     old = {**hf_config("llama3.1").to_dict(), "rope_theta": 5e5}
     old["rope_scaling"] = {k: v for k, v in old.pop("rope_parameters").items() if k != "rope_theta"}
@@ -294,9 +312,9 @@ def test_sliding_windows_as_transformers_applies_them():
 
 
 def test_later_families_stay_refused():
-    with pytest.raises(ManifestError, match="unsupported rope scaling 'longrope' for Phi3ForCausalLM.*Phi-3"):
+    with pytest.raises(ManifestError, match="longrope's long_factor has 7 entries; the 8 rotary frequencies"):
         ModelSpec.from_hf_config({**COMMON, "architectures": ["Phi3ForCausalLM"], "rope_scaling": {
-            "type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}})
+            "type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 7}})
     with pytest.raises(ManifestError, match="partial_rotary_factor .* Phi3ForCausalLM only"):
         ModelSpec.from_hf_config({**COMMON, "architectures": ["LlamaForCausalLM"], "partial_rotary_factor": 0.5})
     with pytest.raises(ManifestError, match="Gemma3ForConditionalGeneration .*vision.*Gemma3ForCausalLM"):
@@ -378,6 +396,51 @@ def test_export_generates_what_transformers_generates(family_exports, checkpoint
     assert got[0] == tokens
     assert len(set(tokens)) > 8  # not a degenerate loop
     assert max(abs(a - b) for a, b in zip(got[1], logprobs)) <= LOGPROB_TOLERANCE
+
+
+@pytest.mark.parametrize("family", LONGROPE)
+def test_longrope_long_prompt_chunked_and_cached(family_exports, checkpoints, family):
+    """A prompt past the original length runs on longrope's long factors from its first chunk:
+    in one call (the concat runner) and in chunks of 8 (the engine), transformers' generate()
+    tokens and log-probs. The prefix cache's chain starts from the factor choice: blocks a short
+    prompt stored never serve a long prompt with the same first tokens, its own blocks do, and
+    the short prompt's still serve it."""
+    from transformers import AutoModelForCausalLM
+
+    from runtime.llm_engine import LLMEngine, SamplingParams
+
+    directory, prompt, tokens = checkpoints[family][:3]
+    long_prompt = prompt + tokens[:LONG_PROMPT - PROMPT_TOKENS]  # the short prompt's 28 tokens lead
+    expected, logprobs = greedy_reference(AutoModelForCausalLM.from_pretrained(directory).eval(), long_prompt)
+    assert runner_greedy(family_exports(family, "concat"), long_prompt)[0] == expected
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True)
+    with LLMEngine(family_exports(family), threads=1, prefill_budget=8, solo_prefill_tokens=1) as engine:
+        short = engine.generate([prompt], SamplingParams(max_tokens=1))[0]  # stores its first block, short factors
+        assert short.token_ids == tokens[:1]
+        first, again = (engine.generate([long_prompt], params)[0] for _ in range(2))
+        short_again = engine.generate([prompt], SamplingParams(max_tokens=1))[0]
+        chunks = engine.stats()["prefill_steps"]
+        # one batch, each row on its own factors: the short prompt recomputed when it passes the
+        # original length (its n-gram drafts never cross it on the short factors), the long one not
+        drafting = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, speculative="ngram")
+        together = engine.generate([prompt, long_prompt], drafting)
+        recomputes = engine.stats()["longrope_recomputes"]
+    assert [r.token_ids for r in together] == [tokens, expected] and recomputes == 1
+    assert first.cached_tokens == 0 and first.token_ids == expected
+    assert max(abs(a - b) for a, b in zip(first.logprobs, logprobs)) <= LOGPROB_TOLERANCE
+    assert again.cached_tokens == 32 and again.token_ids == expected  # its own blocks, long factors
+    assert short_again.cached_tokens == 16 and short_again.token_ids == tokens[:1]
+    assert chunks >= LONG_PROMPT // 8
+
+
+@pytest.mark.parametrize("layout", ["inplace", "concat"])
+def test_longrope_verify_runs_past_the_switch(family_exports, layout):
+    """export.verify adds a prompt past the original length and one that decodes past it, and the
+    runner's recompute there keeps every logit within tolerance of transformers' recompute."""
+    from export.verify import verify
+
+    report = verify(family_exports("phi3.5-longrope", layout), steps=32)
+    assert report.rows == 5 and report.passed, report
 
 
 def test_concat_windows_count_positions_across_a_shorter_rows_gap(family_exports, checkpoints):
@@ -560,6 +623,27 @@ def test_gemma_and_phi3_graphs_stay_standard_ops(family_exports):
     assert attentions and all(any(a.name == "softcap" and a.f == 2.0 for a in n.attribute) for n in attentions)
     ropes = [n for n in graph("phi3") if n.op_type == "RotaryEmbedding"]
     assert ropes and all(any(a.name == "rotary_embedding_dim" and a.i == 8 for a in n.attribute) for n in ropes)
+
+
+def test_longrope_graph_input_and_tensorrt_profile(family_exports):
+    """One Where per graph picks each token's frequencies; prompt_lengths is an input of longrope
+    exports only, packed per token in place; the TensorRT profile covers it as the packed inputs
+    and the offline op check finds nothing TensorRT would reject (no TensorRT runs here)."""
+    import onnx
+
+    from engines import trt_ops
+    from engines.tensorrt_build import profile_shapes
+    from kvforge.onnx_graphs import all_nodes
+
+    directory = family_exports("phi4-mini-longrope")
+    nodes = [n.op_type for n in all_nodes(onnx.load(str(directory / "model.onnx")).graph)]
+    assert nodes.count("Where") == 1 and trt_ops.unsupported_ops(directory / "model.onnx") == []
+    manifest = Manifest.load(directory)
+    inputs = {t.name: t.shape for t in manifest.io()[0]}
+    assert inputs["prompt_lengths"] == ("tokens",)
+    assert "prompt_lengths" not in {t.name for t in Manifest.load(family_exports("phi3")).io()[0]}
+    shapes = profile_shapes(manifest, max_slots=4, max_new_tokens=16)
+    assert shapes["prompt_lengths"] == shapes["input_ids"]
 
 
 def test_shards_are_read_through_the_index(checkpoints):

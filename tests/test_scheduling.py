@@ -61,13 +61,13 @@ class StepSpy:
         self.step = engine.runner.step
         engine.runner.step = self
 
-    def __call__(self, input_ids, write_positions, num_new, logit_positions=None):
+    def __call__(self, input_ids, write_positions, num_new, logit_positions=None, prompt_lengths=None):
         running = self.engine.scheduler.running[:len(num_new)]
         pending = [s.pending for s in running]
         self.steps.append((pending, list(map(int, num_new))))
         self.chunk_spans.append([s.num_cached + n for s, n in zip(running, num_new) if n > 1])
         self.fits.append(self.engine.runner.capacity >= max(s.num_cached + s.pending + 1 for s in running))
-        return self.step(input_ids, write_positions, num_new, logit_positions)
+        return self.step(input_ids, write_positions, num_new, logit_positions, prompt_lengths)
 
 
 def test_decoding_rows_are_in_every_step_and_prompts_always_advance(fp32):

@@ -34,6 +34,8 @@ METRICS = [
      "Running sequences preempted with their KV swapped to the host pool (resumed, not recomputed)", "COUNTER"),
     ("preempted_recompute", "kvforge_preempted_recompute_total",
      "Running sequences preempted beyond the swap reserve (their KV recomputed)", "COUNTER"),
+    ("longrope_recomputes", "kvforge_longrope_recomputes_total",
+     "Sequences recomputed on longrope's long factors when they passed the original length", "COUNTER"),
     ("loading", "kvforge_loading_sequences", "Requests waiting for their prefix to load from disk or Redis", "GAUGE"),
     ("tier_write_queue_blocks", "kvforge_kv_tier_write_queue_blocks",
      "KV blocks queued for the disk / Redis tiers", "GAUGE"),

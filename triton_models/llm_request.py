@@ -8,7 +8,7 @@ import os
 
 from kvforge import env, llm_io
 from kvforge.errors import RequestError
-from kvforge.llm_io import Inputs, either, identity_only, one_value, prompt_of, strings, utf8
+from kvforge.llm_io import Inputs, either, identity_only, one_value, prompt_of, strings, token_ids, utf8
 from runtime.grammar import Guide
 from runtime.sampling import SamplingParams
 from triton_models.requests import refuse_unknown_parameters
@@ -31,6 +31,7 @@ def parse(request, inputs: Inputs, engine):
     if max_tokens is None:
         raise RequestError("max_tokens is required: how many tokens to generate at most")
     top_p = one_value(inputs, "top_p", 1.0, float)
+    top_logprobs = one_value(inputs, "logprobs", 0, int)
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=one_value(inputs, "temperature", 0.0, float),
@@ -45,13 +46,28 @@ def parse(request, inputs: Inputs, engine):
         presence_penalty=one_value(inputs, "presence_penalty", 0.0, float),
         frequency_penalty=one_value(inputs, "frequency_penalty", 0.0, float),
         min_tokens=either(inputs, ("min_tokens", "min_length"), int) or 0,
-        logprobs=one_value(inputs, "return_log_probs", False, bool),
+        logprobs=one_value(inputs, "return_log_probs", False, bool) or top_logprobs > 0,
+        top_logprobs=top_logprobs,
+        min_p=one_value(inputs, "min_p", 0.0, float),
+        logit_bias=logit_bias_of(inputs),
+        allowed_token_ids=token_ids(inputs, "allowed_token_ids"),
+        stop_token_ids=token_ids(inputs, "stop_token_ids"),
         speculative=one_value(inputs, "speculative", None, utf8("speculative")),
         guide=guide_of(inputs))
     prompt = prompt_of(inputs)
     echo = "" if one_value(inputs, "exclude_input_in_output", True, bool) else \
         prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt)
     return prompt, params, one_value(inputs, "stream", False, bool), echo
+
+
+def logit_bias_of(inputs: Inputs) -> tuple[tuple[int, float], ...]:
+    """logit_bias_token_ids and logit_bias, pairwise."""
+    ids, biases = token_ids(inputs, "logit_bias_token_ids"), inputs.get("logit_bias")
+    biases = () if biases is None else biases.tolist()
+    if len(ids) != len(biases):
+        raise RequestError(f"logit_bias_token_ids ({len(ids)}) and logit_bias ({len(biases)}) must be as long: "
+                           "one bias per token id")
+    return tuple(zip(ids, biases))
 
 
 def guide_of(inputs: Inputs) -> Guide | None:

@@ -51,16 +51,27 @@ VALUES = {
     "finish_reason": lambda out, echo: [[(out.finish_reason or "").encode()]],
     "cum_log_probs": lambda out, echo: [[out.cum_logprob]],
     "output_log_probs": lambda out, echo: [[out.logprobs]],
+    "output_top_log_probs": lambda out, echo: top_array(out, 1),
+    "output_top_token_ids": lambda out, echo: top_array(out, 0),
     "cached_tokens": lambda out, echo: [[out.cached_tokens]],
 }
-LOGPROB_OUTPUTS = frozenset({"cum_log_probs", "output_log_probs"})  # only for requests that asked for log-probs
+# outputs only for requests that asked for them: log-probs, top log-probs (RequestOutput's field)
+ASKED_FOR = {"cum_log_probs": "logprobs", "output_log_probs": "logprobs",
+             "output_top_log_probs": "top_logprobs", "output_top_token_ids": "top_logprobs"}
+
+
+def top_array(out: RequestOutput, part: int) -> np.ndarray:
+    """[1 beam, tokens, k] of the tokens' top ids (part 0) or log-probs (part 1)."""
+    k = len(out.top_logprobs[0]) if out.top_logprobs else 0
+    values = [[pair[part] for pair in top] for top in out.top_logprobs]
+    return np.array(values).reshape(1, 1, len(values), k)
 
 
 def response(out: RequestOutput, echo: str = "", names=ALL_OUTPUTS):
     """One response of the llm model: the requested outputs of `out` (Triton would drop the
     others after they crossed to the server; not building them saves that work per token)."""
     sent = [name for name in llm_io.OUTPUTS
-            if name in names and (out.logprobs is not None or name not in LOGPROB_OUTPUTS)]
+            if name in names and (name not in ASKED_FOR or getattr(out, ASKED_FOR[name]) is not None)]
     return pb_utils.InferenceResponse(output_tensors=[
         pb_utils.Tensor(name, np.array(VALUES[name](out, echo), dtype=llm_io.OUTPUTS[name].numpy_dtype))
         for name in sent])

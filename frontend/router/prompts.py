@@ -47,15 +47,19 @@ class Prompts:
         # code); it never connects to anything
         self.openai = OpenAIServer(FrontConfig(triton_http="", triton_grpc="", model_repository=repo))
         self.namespace = cache_namespace(self.openai.manifest)
+        self.spec = self.openai.manifest.model
         self.block_bytes = kv_block_spec(self.openai.manifest).bytes_per_block
 
-    def prompt(self, ids: list[int], salt: bytes | None) -> Prompt:
-        return Prompt(ids, salt, chain(self.namespace, salt, ids, len(ids) // KV_BLOCK_TOKENS, KV_BLOCK_TOKENS))
+    def prompt(self, ids: list[int], salt: bytes | None, prompt_tokens: int | None = None) -> Prompt:
+        """prompt_tokens: the length of the prompt that began ids (default all of them), which picks
+        a longrope model's factors and so its chain's root (kvforge/block_hash.py)."""
+        long = self.spec.long_factors(len(ids) if prompt_tokens is None else prompt_tokens)
+        return Prompt(ids, salt, chain(self.namespace, salt, ids, len(ids) // KV_BLOCK_TOKENS, KV_BLOCK_TOKENS, long))
 
     def answered(self, prompt: Prompt, generated: list[int]) -> Prompt:
         """The tokens a replica holds the KV of once it generated `generated` after `prompt`: all
-        but the last generated one (sampled, never fed back)."""
-        return self.prompt(prompt.ids + generated[:-1], prompt.salt)
+        but the last generated one (sampled, never fed back), under the prompt's own chain root."""
+        return self.prompt(prompt.ids + generated[:-1], prompt.salt, prompt.tokens)
 
     def generated_ids(self, text: str, tool_calls: list[tuple[str, str]]) -> list[int]:
         """The tokens of a completion's text and tool calls (an OpenAI response carries text and

@@ -46,16 +46,17 @@ class KVManager:
             self.prefix.admit(seq, row, hit)
         self.loads.drop(seq)
 
-    def preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence, recompute: bool = False) -> None:
         """seq leaves the batch for now: its row goes to pool blocks (seq.swapped_blocks; None when
-        the swap reserve is used up or there is no pool: seq will be recomputed from its tokens),
-        and the rows left are refitted to the budget. Requests waiting for blocks it announced
-        compute them themselves."""
+        the swap reserve is used up, there is no pool or `recompute` asks: seq will be recomputed
+        from its tokens), and the rows left are refitted to the budget. Requests waiting for
+        blocks it announced compute them themselves."""
         row = self.rows.running.index(seq)
         self.prefix.withdraw(seq)
         blocks = -(-seq.num_cached // self.block_tokens)
         seq.swapped_blocks = None
-        if self.pool is not None and self.swapped_blocks + blocks <= SWAP_RESERVE * self.pool.num_blocks:
+        if not recompute and self.pool is not None and \
+                self.swapped_blocks + blocks <= SWAP_RESERVE * self.pool.num_blocks:
             seq.swapped_blocks = self.swap_out(seq, row)
         if seq.swapped_blocks is None:
             self.prefix.release(seq)

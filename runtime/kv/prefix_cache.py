@@ -30,6 +30,7 @@ class PrefixCache:
         self.rows = rows
         self.tiers = tiers  # write-behind of every stored block (disk / Redis)
         self.block_tokens = rows.runner.block.tokens
+        self.spec = rows.runner.manifest.model  # which longrope factors a prompt runs on is in its chain
         self.in_flight: dict[bytes, int] = {}  # block hash -> request id of the running sequence computing it
         self.counters = dict(prefix_cache_queried_tokens=0, prefix_cache_hit_tokens=0, copy_in_blocks=0,
                              copy_in_seconds=0.0, copy_out_blocks=0, copy_out_seconds=0.0)
@@ -37,7 +38,8 @@ class PrefixCache:
     def hashes(self, seq: Sequence, blocks: int) -> list[bytes]:
         """The chain hashes of seq's first `blocks` full blocks (computed once, extended as it grows)."""
         hashes, b = seq.block_hashes, self.block_tokens
-        parent = hashes[-1] if hashes else root_hash(self.namespace, seq.cache_salt)
+        parent = hashes[-1] if hashes else root_hash(self.namespace, seq.cache_salt,
+                                                     self.spec.long_factors(seq.rope_length))
         for i in range(len(hashes), blocks):
             parent = block_hash(parent, seq.tokens[i * b:(i + 1) * b])
             hashes.append(parent)
@@ -65,7 +67,8 @@ class PrefixCache:
         never: a prompt's last token is always recomputed) that the pool holds."""
         if self.pool is None:
             return [], {}
-        hashes = chain(self.namespace, salt, token_ids, (len(token_ids) - 1) // self.block_tokens, self.block_tokens)
+        hashes = chain(self.namespace, salt, token_ids, (len(token_ids) - 1) // self.block_tokens, self.block_tokens,
+                       self.spec.long_factors(len(token_ids)))
         found = self.pool.lookup(hashes)
         return hashes[:len(found)], self.pool.get(found)
 

@@ -175,8 +175,9 @@ class PackedRows:
             self._resize(capacity, len(self._running), slots)
 
     def refit(self) -> None:
-        """After a preemption: exactly the rows and capacity the running sequences need, within the budget again."""
-        capacity = self.runner.bucket_for(max(s.num_cached + 1 for s in self._running))
+        """After a preemption: exactly the rows and capacity the running sequences need, within the budget
+        again (none may be left: a longrope row recomputed alone, runtime/scheduler.py)."""
+        capacity = self.runner.bucket_for(max((s.num_cached + 1 for s in self._running), default=1))
         slots = self._rows_for(len(self._running), capacity)
         if (capacity, slots) != (self.capacity, self.allocated):
             self._resize(capacity, len(self._running), slots)

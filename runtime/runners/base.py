@@ -30,6 +30,10 @@ class Batch:
     write_positions: np.ndarray  # [rows]
     num_new: np.ndarray  # [rows]
     drafts: np.ndarray  # [rows]: of its num_new, the drafted tokens a row verifies (runtime/speculation.py)
+    # [rows]: the length a longrope model picks each row's factors from (Sequence.rope_length,
+    # ModelSpec.long_factors in kvforge/manifest.py: a prompt prefilled in chunks keeps its long factors);
+    # None: the runner's default
+    prompt_lengths: np.ndarray | None = None
 
     @classmethod
     def of(cls, kind: str, seqs, width: int, num_new=None, drafts=None) -> "Batch":
@@ -45,7 +49,7 @@ class Batch:
             input_ids[b, :own] = s.tokens[s.num_cached:s.num_cached + own]
             input_ids[b, own:num_new[b]] = draft
         return cls(kind, input_ids, np.array([s.num_cached for s in seqs], np.int64), num_new,
-                   np.array([len(d) for d in drafts], np.int64))
+                   np.array([len(d) for d in drafts], np.int64), np.array([s.rope_length for s in seqs], np.int64))
 
     @property
     def logit_positions(self) -> np.ndarray:
@@ -85,12 +89,29 @@ class Runner(ABC):
 
     @abstractmethod
     def step(self, input_ids: np.ndarray, write_positions: np.ndarray, num_new: np.ndarray,
-             logit_positions: np.ndarray | None = None) -> np.ndarray:
+             logit_positions: np.ndarray | None = None, prompt_lengths: np.ndarray | None = None) -> np.ndarray:
         """Run rows 0..len(input_ids)-1: input_ids [rows, S] (right-padded), write_positions [rows]
         (tokens already cached per row), num_new [rows] (real tokens per row, <= S), logit_positions
         [rows, K] (indices into S whose logits are wanted; None = all S, as scoring needs;
-        generation passes Batch.logit_positions). Returns logits [rows, K, vocab] float32;
+        generation passes Batch.logit_positions), prompt_lengths [rows] (the length each row's
+        longrope factors are chosen from: rope_lengths). Returns logits [rows, K, vocab] float32;
         row b's cache now holds write_positions[b] + num_new[b]."""
+
+    def rope_lengths(self, write_positions: np.ndarray, num_new: np.ndarray,
+                     prompt_lengths: np.ndarray | None) -> np.ndarray | None:
+        """The graph's prompt_lengths per row for a longrope model (None for any other). By default
+        each row's length after the step: transformers' choice for a call that feeds the row's whole
+        prompt, or decodes (ModelSpec.long_factors; a caller decoding past the original length recomputes
+        the row, as runtime.greedy does); the engine passes Sequence.rope_length, so a prompt
+        prefilled in chunks takes the factors its full length picks from its first chunk on."""
+        if self.manifest.model.longrope_original is None:
+            return None
+        if prompt_lengths is None:
+            return np.asarray(write_positions, np.int64) + np.asarray(num_new, np.int64)
+        lengths = np.ascontiguousarray(prompt_lengths, dtype=np.int64)
+        if lengths.shape != np.shape(write_positions):
+            raise ValueError("prompt_lengths needs one entry per row")
+        return lengths
 
     @abstractmethod
     def move(self, src: int, dst: int, length: int) -> None:
@@ -160,13 +181,14 @@ class Runner(ABC):
 
 
 def pack_step(input_ids: np.ndarray, write_positions: np.ndarray, num_new: np.ndarray,
-              logit_positions: np.ndarray) -> dict[str, np.ndarray]:
+              logit_positions: np.ndarray, prompt_lengths: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """The inplace graph's inputs (kvforge.manifest.io_tensors) for a right-padded step: the real
     tokens packed row after row; the chunk rows are 0..P-1, P = 1 + the last row feeding more than
     one token (a one-token row among them still takes its output from the decode query); their
     key span L covers the multi-token rows only, the decode queries' span D the one-token rows.
     With no multi-token row, row 0 stands in as a chunk of one query over one key (ONNX Runtime's
-    Attention needs a batch), its output unused; with no one-token row, D = 1."""
+    Attention needs a batch), its output unused; with no one-token row, D = 1. prompt_lengths
+    (longrope, Runner.rope_lengths): each row's, packed as its tokens are."""
     rows, width = input_ids.shape
     num_new = np.asarray(num_new, np.int64)
     real = np.arange(width)[None, :] < num_new[:, None]
@@ -181,10 +203,13 @@ def pack_step(input_ids: np.ndarray, write_positions: np.ndarray, num_new: np.nd
     decode_keys = int(write_positions[single].max()) + 1 if single.any() else 1
     slots = np.where(num_new[:, None] > 1, np.arange(rows)[:, None] * width + np.arange(width),
                      chunk_rows * width + np.arange(rows)[:, None])
-    return {"input_ids": input_ids[real], "positions": (write_positions[:, None] + np.arange(width))[real],
-            "write_positions": write_positions, "row_tokens": row_tokens,
-            "attention_extent": np.array([chunk_rows, chunk_keys, decode_keys], np.int64), "token_slots": slots[real],
-            "logit_index": np.take_along_axis(row_tokens, logit_positions, axis=1).ravel()}
+    feeds = {"input_ids": input_ids[real], "positions": (write_positions[:, None] + np.arange(width))[real],
+             "write_positions": write_positions, "row_tokens": row_tokens,
+             "attention_extent": np.array([chunk_rows, chunk_keys, decode_keys], np.int64), "token_slots": slots[real],
+             "logit_index": np.take_along_axis(row_tokens, logit_positions, axis=1).ravel()}
+    if prompt_lengths is not None:
+        feeds["prompt_lengths"] = np.broadcast_to(prompt_lengths[:, None], real.shape)[real]
+    return feeds
 
 
 def last_positions(num_new: np.ndarray) -> np.ndarray:

@@ -154,13 +154,14 @@ class OrtInplaceRunner(_OrtRunner):
             self.buffers = {past: self._slot_buffer(past, slots, capacity) for past, _ in self.pairs}
         self._binding, self._bound_rows = None, 0
 
-    def step(self, input_ids, write_positions, num_new, logit_positions=None):
+    def step(self, input_ids, write_positions, num_new, logit_positions=None, prompt_lengths=None):
         input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)
         write_positions = np.ascontiguousarray(write_positions, dtype=np.int64)
         positions = self.check_step(input_ids, write_positions, np.asarray(num_new), logit_positions)
         rows = input_ids.shape[0]
         binding = self._kv_binding(rows)
-        for name, value in pack_step(input_ids, write_positions, num_new, positions).items():
+        lengths = self.rope_lengths(write_positions, num_new, prompt_lengths)
+        for name, value in pack_step(input_ids, write_positions, num_new, positions, lengths).items():
             binding.bind_cpu_input(name, np.ascontiguousarray(value, dtype=np.int64))
         binding.bind_output("logits")  # unbound from the last step's array: ORT allocates this step's shape
         self.session.run_with_iobinding(binding)
@@ -272,18 +273,19 @@ class OrtConcatRunner(_OrtRunner):
             raise ValueError(f"concat cache would grow past its capacity {self.capacity}; resize first")
         return super().check_step(input_ids, write_positions, num_new, logit_positions)
 
-    def step(self, input_ids, write_positions, num_new, logit_positions=None):
+    def step(self, input_ids, write_positions, num_new, logit_positions=None, prompt_lengths=None):
         """The Optimum contract returns every position; the wanted ones are picked afterwards."""
         input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)
         write_positions = np.asarray(write_positions, dtype=np.int64)
         num_new = np.asarray(num_new, dtype=np.int64)
         positions = self.check_step(input_ids, write_positions, num_new, logit_positions)
-        logits = self._step_all(input_ids, write_positions, num_new)
+        logits = self._step_all(input_ids, write_positions, num_new,
+                                self.rope_lengths(write_positions, num_new, prompt_lengths))
         if logit_positions is None:
             return logits
         return np.take_along_axis(logits, positions[:, :, None], axis=1)
 
-    def _step_all(self, input_ids, write_positions, num_new):
+    def _step_all(self, input_ids, write_positions, num_new, prompt_lengths):
         rows, seq = input_ids.shape
         self.mask[:rows][write_positions == 0] = 0  # a row starting over forgets its old tokens
         new_mask = (np.arange(seq)[None, :] < num_new[:, None]).astype(np.int64)
@@ -295,6 +297,8 @@ class OrtConcatRunner(_OrtRunner):
                              f"{self.manifest.max_chunk - 1}: step rows with their prompts together, or run inplace")
         feeds = {"input_ids": input_ids, "attention_mask": mask,
                  "position_ids": write_positions[:, None] + np.arange(seq)[None, :]}
+        if prompt_lengths is not None:
+            feeds["prompt_lengths"] = prompt_lengths
         feeds.update({past: self.past[past][:rows] for past, _ in self.pairs})
         outputs = self.session.run(["logits"] + [present for _, present in self.pairs], feeds)
         self.past = {past: present for (past, _), present in zip(self.pairs, outputs[1:])}

@@ -100,14 +100,15 @@ class TensorRTRunner(Runner):
         self.context.set_input_shape(name, array.shape)
         self.context.set_tensor_address(name, ptr)
 
-    def step(self, input_ids, write_positions, num_new, logit_positions=None):
+    def step(self, input_ids, write_positions, num_new, logit_positions=None, prompt_lengths=None):
         input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)
         write_positions = np.ascontiguousarray(write_positions, dtype=np.int64)
         positions = self.check_step(input_ids, write_positions, np.asarray(num_new), logit_positions)
         rows, seq = input_ids.shape
         if seq > self.max_seq:
             raise ValueError(f"{seq} new tokens in one step exceed the plan's profile (max {self.max_seq})")
-        for name, value in pack_step(input_ids, write_positions, num_new, positions).items():
+        lengths = self.rope_lengths(write_positions, num_new, prompt_lengths)
+        for name, value in pack_step(input_ids, write_positions, num_new, positions, lengths).items():
             self._upload(name, np.ascontiguousarray(value, dtype=np.int64))
         for past, present in self.pairs:
             ptr = self.buffers[past][0]

@@ -2,7 +2,8 @@
 
 Its inputs and outputs are the vLLM backend's (max_batch_size 0, `text_input` [1], sampling
 options as a JSON string in `sampling_parameters` or as request parameters, string values
-coerced as vLLM does, `return_*` flags choosing the outputs), so the vLLM backend's
+coerced as vLLM does, `guided_decoding` as the same guide llm's guided inputs carry, `return_*`
+flags choosing the outputs), so the vLLM backend's
 samples/client.py runs unchanged. Each request is forwarded to `llm` (triton_models/forwarding.py).
 As in vLLM, a request that does not stream gets the prompt in front of its text unless it sets
 exclude_input_in_output, and a streaming one cannot ask for the prompt.
@@ -14,6 +15,7 @@ import triton_python_backend_utils as pb_utils
 
 from kvforge.errors import RequestError, quote
 from kvforge.llm_io import one_value
+from runtime.grammar import VLLM_KINDS, Guide
 from triton_models.forwarding import Forwarder, llm_input, tensor_value
 from triton_models.lifeline import exit_with_server
 from triton_models.requests import inputs_of, request_parameters
@@ -31,9 +33,12 @@ SAMPLING = {
     "presence_penalty": ("presence_penalty", float),
     "frequency_penalty": ("frequency_penalty", float),
     "repetition_penalty": ("repetition_penalty", float),
+    "min_p": ("min_p", float),
     "n": ("num_return_sequences", int),
 }
 WORDS = {"stop": "stop_words", "bad_words": "bad_words"}  # a string or a list of strings
+TOKEN_IDS = ("stop_token_ids", "allowed_token_ids")  # lists of token ids, llm's inputs of the same names
+GUIDED = "guided_decoding"  # the vLLM backend's {json | regex | choice | grammar | json_object}
 VLLM_DEFAULTS = {"max_tokens": 16, "temperature": 1.0}  # vLLM's SamplingParams defaults where llm's differ
 RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_num_input_tokens",
                 "return_num_output_tokens")
@@ -55,11 +60,29 @@ def sampling_parameters(request) -> dict:
 
 
 def known(options: dict) -> dict:
-    unknown = sorted(set(options) - set(SAMPLING) - set(WORDS))
+    readable = {*SAMPLING, *WORDS, *TOKEN_IDS, GUIDED}
+    unknown = sorted(set(options) - readable)
     if unknown:
         raise RequestError(f"unknown sampling parameters {', '.join(unknown)}; {NAME} reads "
-                           f"{', '.join(sorted([*SAMPLING, *WORDS]))}")
+                           f"{', '.join(sorted(readable))}")
     return options
+
+
+def guide_inputs(value) -> list:
+    """llm's guided decoding inputs for the vLLM backend's guided_decoding: exactly one of its keys."""
+    if not isinstance(value, dict):
+        raise RequestError(f"{GUIDED} must be a JSON object with one of {', '.join(VLLM_KINDS)}, got {quote(value)}")
+    unknown = sorted(set(value) - set(VLLM_KINDS))
+    if unknown:
+        raise RequestError(f"unknown {GUIDED} keys {', '.join(unknown)}; {NAME} reads {', '.join(VLLM_KINDS)} "
+                           "(one backend, llguidance, and one JSON layout)")
+    given = [(key, v) for key, v in value.items() if v not in (None, False)]  # json_object false asks for nothing
+    if len(given) != 1:
+        raise RequestError(f"{GUIDED} needs exactly one of {', '.join(VLLM_KINDS)}, got {len(given)}")
+    key, v = given[0]
+    guide = Guide.of_value(VLLM_KINDS[key], v)
+    return [llm_input("guided_decoding_guide_type", [[guide.kind.encode()]]),
+            llm_input("guided_decoding_guide", [[guide.text.encode()]])]
 
 
 def llm_inputs(request):
@@ -83,6 +106,16 @@ def llm_inputs(request):
                 raise RequestError(f"{key} must be a string or a list of strings, got {quote(value)}")
             if words:
                 inputs.append(llm_input(WORDS[key], [[w.encode() for w in words]]))
+            continue
+        if key in TOKEN_IDS:
+            if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31
+                                                      for t in value):
+                raise RequestError(f"{key} must be a list of token ids, got {quote(value)}")
+            if value:
+                inputs.append(llm_input(key, [value]))
+            continue
+        if key == GUIDED:
+            inputs += guide_inputs(value)
             continue
         name, coerce = SAMPLING[key]
         try:
