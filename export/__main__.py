@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from kvforge.manifest import (KV_DTYPES, KV_LAYOUTS, Manifest, ManifestError, ModelSpec, check_attention_dtype,
-                              check_layout_dtype)
+from kvforge.manifest import (DEFAULT_MAX_CHUNK, KV_DTYPES, KV_LAYOUTS, Manifest, ManifestError, ModelSpec,
+                              check_attention_dtype, check_layout_dtype, layer_rings)
 from kvforge import env
 from kvforge.cli import atomic_directory, fail_cleanly, progress
 
@@ -42,7 +42,11 @@ def library_versions() -> dict:
             "onnxscript": onnxscript.__version__, "python": sys.version.split()[0]}
 
 
-def export(model: str, out: Path, kv_layout: str, kv_dtype: str, max_seq_len: int | None) -> Manifest:
+def export(model: str, out: Path, kv_layout: str, kv_dtype: str, max_seq_len: int | None,
+           max_chunk: int | None = None) -> Manifest:
+    """max_chunk: the most tokens a step may write per row, for a model with sliding windows
+    (default DEFAULT_MAX_CHUNK; none for one without): their layers then hold a ring of the
+    window plus one chunk (kvforge.manifest.ring_tokens), not max_seq_len positions."""
     from export import checkpoint
     from export.onnx_export import export_onnx
 
@@ -53,12 +57,20 @@ def export(model: str, out: Path, kv_layout: str, kv_dtype: str, max_seq_len: in
         spec = ModelSpec.from_hf_config(checkpoint.read_config(source))
         check_attention_dtype(spec, kv_dtype)
         tokenizer = checkpoint.tokenizer_info(source)
-    manifest = Manifest(model=spec, kv_layout=kv_layout, kv_dtype=kv_dtype,
-                        max_seq_len=max_seq_len if max_seq_len is not None else spec.max_positions,
-                        tokenizer=tokenizer, source={}, versions=library_versions())
+    max_seq_len = max_seq_len if max_seq_len is not None else spec.max_positions
+    if spec.sliding_window is None and max_chunk is not None:
+        raise ManifestError(f"--max-chunk bounds the rings of sliding-window layers; {spec.architecture} here has none")
+    # a ring that would reach max_seq_len is no ring: then every layer holds every position and
+    # steps stay unbounded (max_chunk None)
+    max_chunk = max_chunk or DEFAULT_MAX_CHUNK
+    if not layer_rings(spec, max_seq_len, max_chunk):
+        max_chunk = None
+    manifest = Manifest(model=spec, kv_layout=kv_layout, kv_dtype=kv_dtype, max_seq_len=max_seq_len,
+                        tokenizer=tokenizer, source={}, versions=library_versions(), max_chunk=max_chunk)
     with atomic_directory(out) as tmp:
         with progress("loading safetensors weights"):
             _, torch_model = checkpoint.load_model(source, kv_layout, KV_DTYPES[kv_dtype])
+            torch_model.hold_rings(layer_rings(spec, max_seq_len, max_chunk))
             manifest.source = {"path": str(Path(source).resolve()), "sha256": checkpoint.fingerprint(source)}
         if KV_DTYPES[kv_dtype].scale == "per-channel":
             from export.calibrate import calibrate, calibration_ids
@@ -84,8 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-layout", default="inplace", choices=KV_LAYOUTS)
     parser.add_argument("--kv-dtype", default="fp32", choices=list(KV_DTYPES))
     parser.add_argument("--max-seq-len", type=int, default=None, help="cache capacity limit (default: model positions)")
+    parser.add_argument("--max-chunk", type=int, default=None,
+                        help=f"sliding-window models: the most tokens a step writes per row; each sliding layer "
+                             f"holds its window + this - 1 positions (default {DEFAULT_MAX_CHUNK})")
     args = parser.parse_args(argv)
-    export(args.model, args.out, args.kv_layout, args.kv_dtype, args.max_seq_len)
+    export(args.model, args.out, args.kv_layout, args.kv_dtype, args.max_seq_len, args.max_chunk)
     return 0
 
 

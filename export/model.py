@@ -178,20 +178,26 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Ten
     return torch.softmax(scores, dim=-1) @ v
 
 
-def scatter_into(buffer: torch.Tensor, update: torch.Tensor, write_positions: torch.Tensor) -> torch.Tensor:
-    """Write update [B, H, S, X] into buffer [B, H, CAP, X] at write_positions[b] along dim 2."""
+def scatter_into(buffer: torch.Tensor, update: torch.Tensor, write_positions: torch.Tensor,
+                 ring: bool = False) -> torch.Tensor:
+    """Write update [B, H, S, X] into buffer [B, H, CAP, X] at write_positions[b] along dim 2;
+    ring: at (write_positions[b] + i) mod CAP (TensorScatter's circular mode). Measured on ONNX
+    Runtime 1.32 with the same OrtValue bound as input and output: circular writes in place as
+    linear does (same data pointer, the caller's buffer holds the update, 0.03-0.1 ms per write
+    at 1,024 positions as at 262,144 on a busy machine: no copy of the buffer)."""
     if torch.onnx.is_in_onnx_export():
         return torch.onnx.ops.symbolic(
-            "TensorScatter", (buffer, update, write_positions), {"axis": -2, "mode": "linear"},
+            "TensorScatter", (buffer, update, write_positions), {"axis": -2, "mode": "circular" if ring else "linear"},
             dtype=buffer.dtype, shape=buffer.shape, version=24)
     b, h, s, x = update.shape
-    index = (write_positions[:, None] + torch.arange(s))[:, None, :, None].expand(b, h, s, x)
+    cells = write_positions[:, None] + torch.arange(s)
+    index = (cells % buffer.shape[2] if ring else cells)[:, None, :, None].expand(b, h, s, x)
     return buffer.clone().scatter_(2, index, update)
 
 
 def attend_inplace(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, write_positions: torch.Tensor,
                    scale: float | None = None, exporting: bool | None = None, window: int | None = None,
-                   softcap: float | None = None) -> torch.Tensor:
+                   softcap: float | None = None, ring: bool = False) -> torch.Tensor:
     """Causal attention over a fixed-capacity cache whose row b holds write_positions[b] + S entries.
     exporting: emit ONNX Attention (default: whether torch.onnx is exporting; inside torch.cond's
     branches dynamo answers that with False, so MLA reads it outside and passes it in).
@@ -200,6 +206,10 @@ def attend_inplace(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, write_posi
     boolean mask, not opset 25's left_window_size, which would move the whole graph to opset 25
     (TensorRT's parser takes 9-24) and counts keys by buffer position, which a ring or compacted
     window buffer breaks. softcap: as attend's (ONNX Attention's softcap, applied before the mask).
+    ring: k/v are a sliding layer's ring of R cells (scatter_into's ring): for query i, cell c holds
+    position i - ((i - c) mod R), the newest one at or before i that lands there, so the mask keeps
+    it when that lies in the window and at or after 0 (a cell holding a later position of the same
+    step reads as one R older, outside the window: kvforge.manifest.ring_tokens' R guarantees it).
 
     The limit goes in as an explicit boolean mask rather than Attention's nonpad_kv_seqlen input:
     the TensorRT ONNX parser rejects nonpad_kv_seqlen, and on ONNX Runtime CPU both cost the same
@@ -212,9 +222,13 @@ def attend_inplace(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, write_posi
     35 -> 27 us over 128 keys, 272 -> 159 us over 2,048."""
     key_index = torch.arange(k.shape[2])
     query_pos = write_positions[:, None] + torch.arange(q.shape[2])  # [B, S]
-    allowed = key_index[None, None, :] <= query_pos[:, :, None]
-    if window is not None:
-        allowed = allowed & (key_index[None, None, :] > query_pos[:, :, None] - window)
+    if ring:  # how far back the key is: (i - c) mod R, computed on i - c + R >= 0
+        back = (query_pos[:, :, None] - key_index[None, None, :] + k.shape[2]) % k.shape[2]
+        allowed = (back < window) & (back <= query_pos[:, :, None])
+    else:
+        allowed = key_index[None, None, :] <= query_pos[:, :, None]
+        if window is not None:
+            allowed = allowed & (key_index[None, None, :] > query_pos[:, :, None] - window)
     allowed = allowed[:, None]  # [B, 1, S, CAP]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if not (torch.onnx.is_in_onnx_export() if exporting is None else exporting):
@@ -249,20 +263,40 @@ class ConcatStep:
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
-    def update(self, cache: list[torch.Tensor], new: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [torch.cat((old, fresh), dim=2) for old, fresh in zip(cache, new)]
+    def update(self, cache: list[torch.Tensor], new: list[torch.Tensor], ring: int | None = None) -> list[torch.Tensor]:
+        """ring: the layer keeps only the last `ring` columns of past + new: its past is the last
+        columns of attention_mask. What it drops lies at or before each row's first query - window
+        while no row has more than max_chunk - 1 padding columns among its last `ring` (the concat
+        runner refuses a step that would: OrtConcatRunner._step_all)."""
+        joined = [torch.cat((old, fresh), dim=2) for old, fresh in zip(cache, new)]
+        return joined if ring is None else [last_columns(x, ring) for x in joined]
 
     def attend(self, queries: tuple, buffers: tuple, attention, span_always_pays: bool = False,
-               window: int | None = None) -> torch.Tensor:
+               window: int | None = None, ring: int | None = None) -> torch.Tensor:
         """attention(queries, buffers, core, wide) with core(q, k, v, scale, softcap=) the masked softmax
         (over past + new: there is no decode span to choose, whatever span_always_pays says);
-        window: a sliding layer's (key position > query position - window)."""
-        mask = self.mask
+        window: a sliding layer's (key position > query position - window); ring: the buffers are
+        the last columns only (update's ring), so are the mask's and the key positions'."""
+        mask, key_positions = self.mask, self.key_positions
+        if ring is not None:
+            first = mask.shape[-1] - buffers[0].shape[2]
+            mask, key_positions = mask[..., first:], key_positions[:, first:]
         if window is not None:
-            recent = self.key_positions[:, None, :] > self.query_positions[:, :, None] - window  # [B, S, T]
+            recent = key_positions[:, None, :] > self.query_positions[:, :, None] - window  # [B, S, T]
             mask = mask & recent[:, None]
         return attention(queries, buffers, lambda q, k, v, scale, exporting=None, softcap=None:
                          attend(q, k, v, mask, scale, softcap), True)
+
+
+def last_columns(x: torch.Tensor, keep: int) -> torch.Tensor:
+    """x [B, H, T, D]'s last min(T, keep) positions: one ONNX Slice from -keep (the exporter would
+    guard T against keep and fix it to the example's side)."""
+    if not torch.onnx.is_in_onnx_export():
+        return x[:, :, -keep:]
+    ends = torch.tensor([-keep, torch.iinfo(torch.int64).max, 2])
+    return torch.onnx.ops.symbolic("Slice", (x, ends[:1], ends[1:2], ends[2:]), {}, dtype=x.dtype,
+                                   shape=(x.shape[0], x.shape[1], torch.sym_min(x.shape[2], keep), x.shape[3]),
+                                   version=13)
 
 
 def leading(buffer: torch.Tensor, ends: torch.Tensor, sizes: tuple, exporting: bool) -> torch.Tensor:
@@ -321,25 +355,30 @@ class InplaceStep:
         """Token-major [1, H, T, D] -> per row [B, H, S, D]."""
         return take_tokens(x[0], self.row_tokens).transpose(0, 1)
 
-    def update(self, cache: list[torch.Tensor], new: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [scatter_into(old, fresh, self.write_positions) for old, fresh in zip(cache, new)]
+    def update(self, cache: list[torch.Tensor], new: list[torch.Tensor], ring: int | None = None) -> list[torch.Tensor]:
+        """ring: the layer's ring cells (its buffers hold position p at p mod ring), else None."""
+        return [scatter_into(old, fresh, self.write_positions, ring is not None) for old, fresh in zip(cache, new)]
 
     def attend(self, queries: tuple, buffers: tuple, attention, span_always_pays: bool = False,
-               window: int | None = None) -> torch.Tensor:
+               window: int | None = None, ring: int | None = None) -> torch.Tensor:
         """Token-major queries [1, H, T, D_i] over the updated buffers [B, KVH, CAP, D_j] -> [1, H, T, Dv]:
         attention(queries, buffers, core, wide) runs once for the chunk rows (wide: S queries over
         L positions) and once for every row's decode query, core(q, k, v, scale, exporting, softcap=)
         being the causal attention of those rows (window: a sliding layer's, attend_inplace).
         span_always_pays: the decode span's copy costs less than attending over any position it
-        spares (MLA's latent), so no If decides."""
+        spares (MLA's latent), so no If decides. ring: the buffers are rings of that many cells,
+        which every query attends over whole (a ring is a window and a chunk long: no span to cut)."""
         p, span, exporting = self.chunk_rows, self.chunk_keys, torch.onnx.is_in_onnx_export()
 
         def rows_core(write_positions):
             return lambda q, k, v, scale, exporting=exporting, softcap=None: attend_inplace(
-                q, k, v, write_positions, scale, exporting, window, softcap)
+                q, k, v, write_positions, scale, exporting, window, softcap, ring is not None)
 
+        chunk_ends, chunk_sizes = self.extent[:2], (p, span)
+        if ring is not None:
+            chunk_ends, chunk_sizes = torch.cat([self.extent[:1], torch.tensor([ring])]), (p, ring)
         chunk = attention(tuple(take_tokens(q[0], self.row_tokens[:p]).transpose(0, 1) for q in queries),
-                          tuple(leading(b, self.extent[:2], (p, span), exporting) for b in buffers),
+                          tuple(leading(b, chunk_ends, chunk_sizes, exporting) for b in buffers),
                           rows_core(self.write_positions[:p]), True)
         newest = tuple(take_tokens(q[0], self.row_tokens[:, :1]).transpose(0, 1) for q in queries)
 
@@ -355,7 +394,9 @@ class InplaceStep:
         # positions it spares (measured: the class docstring), so then the decode queries run over
         # the whole buffer. One ONNX If on the span and the capacity.
         sliced = 2 * self.extent[2] <= buffers[0].shape[2]
-        if span_always_pays:
+        if ring is not None:
+            decode = decode_over(self.extent, *buffers)
+        elif span_always_pays:
             decode = decode_over_span(self.extent, *buffers)
         elif not exporting:
             decode = (decode_over_span if sliced else decode_over)(self.extent, *buffers)
@@ -382,6 +423,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
         self.rope = layer not in spec.nope_layers
         self.window = spec.sliding_window if layer in spec.sliding_layers else None
+        self.ring: int | None = None  # CausalLM.hold_rings: this layer's ring cells
         self.scale, self.softcap = spec.attention_scale, spec.attention_softcap
         # int8-static KV: calibrated per-channel scales (export/calibrate.py); not checkpoint weights
         scale_shape = (1, spec.num_kv_heads, 1, spec.head_dim)
@@ -402,13 +444,14 @@ class Attention(nn.Module):
         new_k = kv_codec.encode(step.rows(k), kv, self.k_scale)
         new_v = kv_codec.encode(step.rows(v), kv, self.v_scale)
         # cache order per layer: key, value[, key_scale, value_scale] (kvforge.manifest)
-        present = step.update(cache, [new_k[0], new_v[0]] + ([new_k[1], new_v[1]] if len(new_k) > 1 else []))
+        present = step.update(cache, [new_k[0], new_v[0]] + ([new_k[1], new_v[1]] if len(new_k) > 1 else []),
+                              self.ring)
         scales = len(present) > 2
         k_all = kv_codec.decode([present[0]] + ([present[2]] if scales else []), kv, self.k_scale)
         v_all = kv_codec.decode([present[1]] + ([present[3]] if scales else []), kv, self.v_scale)
         out = step.attend((q,), (k_all, v_all),
                           lambda qs, kvs, core, wide: core(qs[0], *kvs, self.scale, softcap=self.softcap),
-                          window=self.window)
+                          window=self.window, ring=self.ring)
         out = out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
         return self.o_proj(out), present
 
@@ -613,6 +656,11 @@ class CausalLM(nn.Module):
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.per_layer = len(kv_tensor_names(0, "past_key_values", kv.has_scale_tensors, spec.attention))
+
+    def hold_rings(self, rings: dict[int, int]) -> None:
+        """Sliding layers whose cache is a ring: layer -> its cells (kvforge.manifest.layer_rings)."""
+        for i, cells in rings.items():
+            self.model.layers[i].self_attn.ring = cells
 
     def forward(self, input_ids: torch.Tensor, *args: torch.Tensor):
         original = self.spec.longrope_original

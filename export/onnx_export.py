@@ -15,7 +15,7 @@ from export.model import CausalLM
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8,
                 "uint8": torch.uint8, "int64": torch.int64, "float8e4m3fn": torch.float8_e4m3fn}
 # Sizes of the example inputs; each dim is exported as dynamic, so these only need to differ.
-EXAMPLE_SIZES = {"batch": 2, "seq": 3, "tokens": 6, "kept": 4, "past": 5, "total": 8, "capacity": 16}
+EXAMPLE_SIZES = {"batch": 2, "seq": 3, "tokens": 6, "kept": 4, "past": 5, "total": 8, "capacity": 16, "ring_past": 5}
 # An in-place step of the example sizes: row 0 a 3-token chunk at 0, row 1 one decode token at 7
 # (tokens 4-5 unused), chunk rows P = 1 over L = 3 positions, decode queries over D = 8; token_slots
 # index [3 chunk, 2 decode].
@@ -45,6 +45,7 @@ def export_onnx(model: CausalLM, manifest: Manifest, path: Path) -> None:
     args = tuple(example_input(t) for t in inputs)
     dims = {name: torch.export.Dim(name, min=1) for name in ("batch", "seq", "tokens", "kept", "total", "capacity")}
     dims["past"] = torch.export.Dim("past", min=0)
+    dims["ring_past"] = torch.export.Dim("ring_past", min=0)  # a sliding layer's past in concat: <= its ring
     shapes = [{i: dims[d] for i, d in enumerate(t.shape) if isinstance(d, str)} for t in inputs]
     dynamic_shapes = (shapes[0], tuple(shapes[1:]))  # forward(input_ids, *rest)
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvforge.engine_config import DEFAULT_KV_CACHE_BYTES
-from kvforge.manifest import Manifest
+from kvforge.manifest import Manifest, slot_bytes
 
 MAX_SLOTS = 32
 WAITING_PER_SLOT = 8
@@ -44,7 +44,7 @@ class Limits:
                       kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES) -> "Limits":
         """Default slots make the worst case (every slot at max_seq_len) fit kv_cache_bytes,
         bounded by what the engine was built for (a TensorRT profile's max batch)."""
-        per_slot = manifest.max_seq_len * manifest.kv_bytes_per_token
+        per_slot = slot_bytes(manifest.cache_tensors, manifest.max_seq_len)  # rings count their cells only
         engine_rows = int(manifest.engine.get("max_batch_size") or MAX_SLOTS)
         if slots is None:
             slots = max(1, min(MAX_SLOTS, engine_rows, kv_cache_bytes // per_slot))

@@ -16,7 +16,8 @@ from pathlib import Path
 # 2: the inplace graph takes logit_positions and returns logits only there (format 1 had every position)
 # 3: the inplace graph takes packed tokens (positions, row_tokens, chunk_extent, token_slots, logit_index)
 # 4: attention_extent (P, L, D) replaces chunk_extent (P, L): decode queries attend over D positions, not the capacity
-FORMAT_VERSION = 4
+# 5: max_chunk; sliding-window layers hold a ring of ring_tokens(window, max_chunk) positions (CacheTensor.window)
+FORMAT_VERSION = 5
 MANIFEST_FILE = "manifest.json"
 MODEL_FILE = "model.onnx"
 OPSET = 24  # TensorScatter (the in-place KV write) needs opset 24
@@ -85,6 +86,10 @@ MLA_REFUSED_DTYPE = ("the latent [c_kv | k_pe] is both the key and the value of 
                      "and int4's 16 levels have not been measured for accuracy on it, and fp8 runs nowhere yet")
 # The latent's parts that get a per-token scale each (int8): c_kv and k_pe.
 MLA_SCALE_PARTS = 2
+RINGS_NO_TENSORRT = ("TensorRT is not built for exports whose sliding-window layers hold a ring (max_chunk): "
+                     "TensorRT's KVCacheUpdate writes at linear positions only and no GPU host has validated "
+                     "TensorScatter's circular mode; export with a --max-chunk whose ring reaches max_seq_len "
+                     "(every layer then holds every position) to build one")
 MLA_NO_TENSORRT = ("TensorRT is not built for MLA exports: its in-place KVCacheUpdate/attention path was "
                    "written for key/value pairs and no GPU host has validated the latent cache")
 KV_LAYOUTS = ("concat", "inplace")
@@ -95,6 +100,9 @@ KV_LAYOUTS = ("concat", "inplace")
 # buy nothing, while 16 reuses up to 48 more tokens of every partial hit (two prompts' shared
 # part is cut at a block boundary). Below 16 the hash chain's per-block work grows.
 KV_BLOCK_TOKENS = 16
+# The prefill chunk bound a windowed export gets unless told (--max-chunk): each ring holds it on top
+# of its window, so it trades a ring's size against the largest chunk one step may write per row.
+DEFAULT_MAX_CHUNK = 512
 MIN_CAPACITY = 64
 BUCKETS_PER_OCTAVE = 4  # capacities 64, 80, 96, 112, 128, 160, ... (at most 25% unused)
 
@@ -567,15 +575,17 @@ class TensorSpec:
 @dataclass(frozen=True)
 class CacheTensor:
     """One cache tensor (a past_key_values.* input) as a slot holds it: per position `heads` x
-    `width` elements of `dtype`, and at most `tokens` positions per sequence (max_seq_len for
-    every layer today; a sliding-window layer would hold its window). Every size the runtime
-    reads (slot bytes, block bytes, the reservation, the host pool) is derived from these."""
+    `width` elements of `dtype`, and at most `tokens` positions per sequence. window None: the
+    tensor holds positions 0..tokens-1 (max_seq_len) where they are; a window W: a sliding layer's
+    ring of `tokens` = ring_tokens(W, max_chunk) cells, position p in cell p mod tokens. Every size
+    the runtime reads (slot bytes, block bytes, the reservation, the host pool) is derived from these."""
 
     name: str
     dtype: str
     heads: int
     width: int
     tokens: int
+    window: int | None = None
 
     @property
     def bytes_per_token(self) -> int:
@@ -588,8 +598,19 @@ class CacheTensor:
         return self.bytes_per_token * block_tokens
 
     def held(self, capacity: int) -> int:
-        """Positions a slot of `capacity` holds of this tensor."""
-        return min(capacity, self.tokens)
+        """Positions a slot of `capacity` holds of this tensor: a ring all its cells whatever the
+        capacity (its cell of p is p mod tokens, baked into the graph)."""
+        return self.tokens if self.window is not None else min(capacity, self.tokens)
+
+
+def ring_tokens(window: int, max_chunk: int) -> int:
+    """Cells of a sliding layer's ring: a step writes up to max_chunk positions per row at p mod R
+    before attending, and its first query still needs the window-1 positions before it, so R =
+    window + max_chunk - 1 keeps every key any query of the step may read (what the step
+    overwrites lies at or before p - window). The window counts at least one KV block (16), so
+    R >= max_chunk + 15: a block a step fills (its first position up to 15 before the step's) is
+    still whole in the ring right after that step, when the prefix cache copies it out."""
+    return max(window, KV_BLOCK_TOKENS) + max_chunk - 1
 
 
 def slot_bytes(tensors: tuple[CacheTensor, ...], capacity: int) -> int:
@@ -597,17 +618,29 @@ def slot_bytes(tensors: tuple[CacheTensor, ...], capacity: int) -> int:
     return sum(t.bytes_per_token * t.held(capacity) for t in tensors)
 
 
-def cache_tensors(spec: ModelSpec, dtype: str, tokens: int) -> tuple[CacheTensor, ...]:
+def cache_tensors(spec: ModelSpec, dtype: str, tokens: int, max_chunk: int | None = None) -> tuple[CacheTensor, ...]:
     """Every cache tensor in graph order, each holding `tokens` positions per sequence: per layer
     key and value [kv_heads, stored head_dim] (int8/int4: and their fp16 scales [kv_heads, 1]), or
-    for MLA the latent [1, r + dr] (int8: and latent_scale [1, 2], the scales of c_kv and k_pe)."""
+    for MLA the latent [1, r + dr] (int8: and latent_scale [1, 2], the scales of c_kv and k_pe).
+    With max_chunk, a sliding layer's tensors hold a ring of ring_tokens(window, max_chunk) cells
+    instead, where that is fewer than `tokens`."""
     d = kv_dtype(dtype)
     width = d.stored_head_dim(spec.head_dim)
     scale_width = MLA_SCALE_PARTS if spec.attention == "mla" else 1
+    rings = layer_rings(spec, tokens, max_chunk)
     return tuple(CacheTensor(name, SCALE_STORAGE if name.endswith("_scale") else d.storage, spec.num_kv_heads,
-                             scale_width if name.endswith("_scale") else width, tokens)
+                             scale_width if name.endswith("_scale") else width, rings.get(i, tokens),
+                             spec.sliding_window if i in rings else None)
                  for i in range(spec.num_layers)
                  for name in kv_tensor_names(i, "past_key_values", d.has_scale_tensors, spec.attention))
+
+
+def layer_rings(spec: ModelSpec, tokens: int, max_chunk: int | None) -> dict[int, int]:
+    """layer -> its ring's cells, for the sliding layers whose ring is shorter than `tokens`."""
+    if max_chunk is None or spec.sliding_window is None:
+        return {}
+    ring = ring_tokens(spec.sliding_window, max_chunk)
+    return {i: ring for i in spec.sliding_layers} if ring < tokens else {}
 
 
 def kv_tensor_names(layer: int, prefix: str, quantized_scales: bool, attention: str = "mha") -> list[str]:
@@ -619,7 +652,8 @@ def kv_tensor_names(layer: int, prefix: str, quantized_scales: bool, attention: 
     return names
 
 
-def io_tensors(spec: ModelSpec, layout: str, dtype: str) -> tuple[list[TensorSpec], list[TensorSpec]]:
+def io_tensors(spec: ModelSpec, layout: str, dtype: str,
+               tensors: tuple[CacheTensor, ...] | None = None) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """ONNX graph inputs and outputs for a layout; the order is the exported order.
 
     concat (Optimum-compatible): past [batch, kv_heads, past_len, D] in, present with
@@ -638,7 +672,10 @@ def io_tensors(spec: ModelSpec, layout: str, dtype: str) -> tuple[list[TensorSpe
     per row (concat, [batch]) or per token, its row's (inplace, [tokens]); the manifest lists it
     for longrope models only.
     MLA: one tensor per layer, past_key_values.{i}.latent -> present.{i}.latent, [batch, 1, T, r + dr];
-    int8 adds past_key_values.{i}.latent_scale [batch, 1, T, 2] (the scales of c_kv and k_pe)."""
+    int8 adds past_key_values.{i}.latent_scale [batch, 1, T, 2] (the scales of c_kv and k_pe).
+    tensors (default: every layer holding max_positions): a ring tensor (CacheTensor.window) is
+    [batch, heads, R, width] in place, and in concat its past is the last ring_past <= R
+    positions, its present the last ring_total <= R of past + new."""
     check_layout_dtype(layout, dtype)
     check_attention_dtype(spec, dtype)
     if layout == "concat":
@@ -660,9 +697,12 @@ def io_tensors(spec: ModelSpec, layout: str, dtype: str) -> tuple[list[TensorSpe
         inputs.append(TensorSpec("prompt_lengths", "int64", ("batch",) if layout == "concat" else ("tokens",)))
     logits_shape = ("batch", "seq", spec.vocab_size) if layout == "concat" else ("kept", spec.vocab_size)
     outputs = [TensorSpec("logits", "float32", logits_shape)]
-    for (past, present), t in zip(kv_pairs(spec, dtype), cache_tensors(spec, dtype, spec.max_positions)):
-        inputs.append(TensorSpec(past, t.dtype, ("batch", t.heads, past_len, t.width)))
-        outputs.append(TensorSpec(present, t.dtype, ("batch", t.heads, present_len, t.width)))
+    tensors = cache_tensors(spec, dtype, spec.max_positions) if tensors is None else tensors
+    for (past, present), t in zip(kv_pairs(spec, dtype), tensors):
+        ring_past, ring_present = (t.tokens, t.tokens) if layout == "inplace" else ("ring_past", "ring_total")
+        inputs.append(TensorSpec(past, t.dtype, ("batch", t.heads, ring_past if t.window else past_len, t.width)))
+        outputs.append(TensorSpec(present, t.dtype, ("batch", t.heads, ring_present if t.window else present_len,
+                                                     t.width)))
     return inputs, outputs
 
 
@@ -735,10 +775,15 @@ class Manifest:
     opset: int = OPSET
     engine: dict = field(default_factory=dict)  # filled by `engines build`
     format_version: int = FORMAT_VERSION
+    # the most tokens one step writes per row (the prefill chunk bound); None: unbounded, and no
+    # layer holds a ring (every tensor keeps max_seq_len positions)
+    max_chunk: int | None = None
 
     def __post_init__(self):
         check_layout_dtype(self.kv_layout, self.kv_dtype)
         check_attention_dtype(self.model, self.kv_dtype)
+        if self.max_chunk is not None and not 0 < self.max_chunk <= self.max_seq_len:
+            raise ManifestError(f"max_chunk must be in 1..{self.max_seq_len} (max_seq_len), got {self.max_chunk}")
         if not 0 < self.max_seq_len <= self.model.max_positions:
             raise ManifestError(
                 f"max_seq_len must be in 1..{self.model.max_positions} (the model's positions), "
@@ -750,22 +795,31 @@ class Manifest:
 
     @property
     def cache_tensors(self) -> tuple[CacheTensor, ...]:
-        """The per-tensor sizes of the cache (each holds max_seq_len positions per sequence)."""
-        return cache_tensors(self.model, self.kv_dtype, self.max_seq_len)
+        """The per-tensor sizes of the cache: max_seq_len positions per sequence, a sliding
+        layer's ring where max_chunk gives one (cache_tensors)."""
+        return cache_tensors(self.model, self.kv_dtype, self.max_seq_len, self.max_chunk)
+
+    @property
+    def rings(self) -> bool:
+        """Whether some layer holds a ring (only its window plus a chunk) rather than every position."""
+        return any(t.window is not None for t in self.cache_tensors)
 
     @property
     def kv_bytes_per_token(self) -> int:
+        """Bytes one position costs in every tensor, rings included (slot_bytes counts what rings hold)."""
         return sum(t.bytes_per_token for t in self.cache_tensors)
 
     def io(self) -> tuple[list[TensorSpec], list[TensorSpec]]:
-        return io_tensors(self.model, self.kv_layout, self.kv_dtype)
+        return io_tensors(self.model, self.kv_layout, self.kv_dtype, self.cache_tensors)
 
     def to_dict(self) -> dict:
         inputs, outputs = self.io()
         d = asdict(self)
         d["kv"] = {"layout": self.kv_layout, "dtype": self.kv_dtype, "storage": self.kv.storage,
                    "scale": self.kv.scale, "runs_on": list(self.kv.runs_on), "note": self.kv.note,
-                   "bytes_per_token": self.kv_bytes_per_token, "block_tokens": KV_BLOCK_TOKENS}
+                   "bytes_per_token": self.kv_bytes_per_token, "block_tokens": KV_BLOCK_TOKENS,
+                   "slot_bytes": slot_bytes(self.cache_tensors, self.max_seq_len),
+                   "tensors": [{"name": t.name, "tokens": t.tokens, "window": t.window} for t in self.cache_tensors]}
         d["io"] = {"inputs": [asdict(t) for t in inputs], "outputs": [asdict(t) for t in outputs]}
         return d
 
@@ -792,7 +846,7 @@ class Manifest:
         try:
             fields = {k: d[k] for k in ("kv_layout", "kv_dtype", "max_seq_len", "tokenizer",
                                         "source", "versions", "onnx_file", "opset", "engine",
-                                        "format_version")}
+                                        "format_version", "max_chunk")}
             return cls(model=ModelSpec(**d["model"]), **fields)
         except (KeyError, TypeError) as e:
             raise ManifestError(f"{path} is missing or has a malformed field: {e}") from None

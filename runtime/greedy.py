@@ -31,12 +31,19 @@ class Greedy:
         ids = np.zeros((len(self.prompts), int(self.lengths.max())), np.int64)
         for r, p in enumerate(self.prompts):
             ids[r, :len(p)] = p
-        if not every_position:
-            logits = self.runner.step(ids, np.zeros(len(self.prompts), np.int64), self.lengths,
-                                      last_positions(self.lengths))
+        chunk = self.runner.manifest.max_chunk or ids.shape[1]  # a ring export's steps write at most that
+        chunks = []
+        for start in range(0, ids.shape[1], chunk):
+            num_new = np.clip(self.lengths - start, 0, chunk)
+            positions = None if every_position else last_positions(num_new)
+            chunks.append(self.runner.step(ids[:, start:start + chunk], np.minimum(self.lengths, start), num_new,
+                                           positions))
+        if not every_position:  # each row's last chunk holds its last position
+            final = (self.lengths - 1) // chunk
+            logits = np.stack([chunks[c][r] for r, c in enumerate(final)])
             self.last = logits[:, 0]
             return logits
-        logits = self.runner.step(ids, np.zeros(len(self.prompts), np.int64), self.lengths)
+        logits = np.concatenate(chunks, axis=1)
         self.last = logits[np.arange(len(self.prompts)), self.lengths - 1]
         return logits
 

@@ -168,6 +168,30 @@ def test_kv_size_cli(tmp_path):
     assert "fp16" in table.stdout and "256 MiB" in table.stdout and "int4" in table.stdout
 
 
+GEMMA3_1B = {"architectures": ["Gemma3ForCausalLM"], "hidden_size": 1152, "intermediate_size": 6912,
+             "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+             "vocab_size": 262144, "max_position_embeddings": 32768, "sliding_window": 512,
+             "query_pre_attn_scalar": 256, "rope_theta": 1e6, "rope_local_base_freq": 1e4}
+
+
+def test_kv_size_windowed_cli(tmp_path):
+    """--max-chunk sizes Gemma 3 1B's 22 sliding layers (of 26) as rings of 512 + 512 - 1 positions:
+    the manifest's arithmetic, and the sequences each way admits in a budget; a model without
+    windows is refused."""
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA3_1B))
+    result = run_cli("export.kv_size", "--model", str(tmp_path), "--context", "32768", "--kv-dtype", "fp16",
+                     "--max-chunk", "512", "--kv-budget-mib", "4096", "--json")
+    assert result.returncode == 0, result.stderr
+    row = json.loads(result.stdout)["rows"][0]
+    per_token = 2 * 1 * 256 * 2  # K and V, one KV head of 256, fp16: per layer
+    assert row["windowed_bytes"] == per_token * (4 * 32768 + 22 * 1023)
+    assert row["full_bytes"] == per_token * 26 * 32768
+    assert (row["windowed_sequences"], row["full_sequences"]) == ((4 << 30) // row["windowed_bytes"], 4)
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_7B))
+    refused = run_cli("export.kv_size", "--model", str(tmp_path), "--context", "2048", "--max-chunk", "512")
+    assert refused.returncode != 0 and "has no sliding window" in refused.stderr
+
+
 def _leftovers(parent):
     return [p.name for p in parent.iterdir() if p.name.startswith(".")]
 

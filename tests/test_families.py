@@ -72,6 +72,11 @@ FAMILIES = {
 LONGROPE = ("phi3.5-longrope", "phi4-mini-longrope")
 LONG_PROMPT = 40  # past ORIGINAL: the long factors from the prompt on
 WINDOWED = ("mistral-window", "qwen2-window")
+# Ring exports (sliding layers hold window + RING_CHUNK - 1 positions): a Gemma-3-shaped hybrid and
+# a Mistral-shaped all-sliding model; the 28-token prompt prefills in 12 + 12 + 4 and generation
+# runs to position 71, past each ring (34 and 32 cells) twice.
+RING_CHUNK = 12
+RINGED = ("gemma3", "mistral-window")
 TEMPLATES = ROOT / "tests" / "fixtures" / "chat_templates"  # public templates, byte for byte (README.md there)
 # family -> the public chat template its instruct checkpoint ships, and a chat body (as the OpenAI
 # API takes it) that checkpoint is asked; every checkpoint's tokenizer puts <s> before every text.
@@ -217,12 +222,12 @@ def family_exports(tmp_path_factory, checkpoints):
     root = tmp_path_factory.mktemp("families-exports")
     made = {}
 
-    def make(family, layout="inplace"):
-        if (family, layout) not in made:
-            out = root / f"{family}-{layout}"
-            export(str(checkpoints[family][0]), out, layout, "fp32", EXPORT_CONTEXT)
-            made[family, layout] = out
-        return made[family, layout]
+    def make(family, layout="inplace", max_chunk=None):
+        if (family, layout, max_chunk) not in made:
+            out = root / f"{family}-{layout}-{max_chunk}"
+            export(str(checkpoints[family][0]), out, layout, "fp32", EXPORT_CONTEXT, max_chunk)
+            made[family, layout, max_chunk] = out
+        return made[family, layout, max_chunk]
 
     return make
 
@@ -455,6 +460,131 @@ def test_concat_windows_count_positions_across_a_shorter_rows_gap(family_exports
         together.append(run.next_tokens.tolist())
     assert [row[0] for row in together] == tokens
     assert [row[1] for row in together] == runner_greedy(directory, short)[0]
+
+
+@pytest.mark.parametrize("layout", ["inplace", "concat"])
+@pytest.mark.parametrize("family", RINGED)
+def test_ring_cache_generates_what_transformers_generates(family_exports, checkpoints, family, layout):
+    """Sliding layers holding only a ring of window + max_chunk - 1 positions: the manifest says so
+    per tensor, the prompt (longer than the window) prefills in chunks of max_chunk and generation
+    runs past every ring, with transformers' greedy tokens and log-probs within LOGPROB_TOLERANCE."""
+    from runtime.llm_engine import LLMEngine, SamplingParams
+
+    _, prompt, tokens, logprobs = checkpoints[family][:4]
+    directory = family_exports(family, layout, RING_CHUNK)
+    manifest = Manifest.load(directory)
+    spec = manifest.model
+    ring = max(spec.sliding_window, 16) + RING_CHUNK - 1
+    assert manifest.max_chunk == RING_CHUNK and ring < PROMPT_TOKENS + NEW_TOKENS
+    for t in manifest.cache_tensors:
+        sliding = int(t.name.split(".")[1]) in spec.sliding_layers
+        assert (t.window, t.tokens) == ((spec.sliding_window, ring) if sliding else (None, EXPORT_CONTEXT))
+    listed = json.loads((directory / "manifest.json").read_text())["kv"]["tensors"]
+    assert [(t["name"], t["tokens"], t["window"]) for t in listed] == [(t.name, t.tokens, t.window)
+                                                                        for t in manifest.cache_tensors]
+    if layout == "inplace":
+        with LLMEngine(directory, threads=1, prefix_cache=False) as engine:
+            params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True)
+            result = engine.generate([prompt], params)[0]
+            assert engine.stats()["prefill_steps"] == 3  # 12 + 12 + 4: never a chunk past max_chunk
+        got = result.token_ids, result.logprobs
+    else:
+        got = runner_greedy(directory, prompt)
+    assert got[0] == tokens
+    assert max(abs(a - b) for a, b in zip(got[1], logprobs)) <= LOGPROB_TOLERANCE
+
+
+def test_ring_cache_holds_what_the_manifest_says(family_exports):
+    """The engine's KV buffers are the manifest's arithmetic (rings whole at any capacity, global
+    layers at the capacity), smaller than caching every position, and admission counts the same;
+    a repeated prompt hits the prefix cache for more positions than a ring holds and generates what
+    its first run (a miss) did; a row's blocks copied out and back in (a swap) leave every cell as
+    it was; a step wider than max_chunk and TensorRT are refused, naming why."""
+    import onnx
+
+    from engines.__main__ import choose_backend
+    from kvforge.manifest import cache_tensors, slot_bytes
+    from kvforge.onnx_graphs import all_nodes
+    from runtime.greedy import Greedy
+    from runtime.llm_engine import LLMEngine, SamplingParams
+    from runtime.runners import open_runner
+
+    prompt = np.random.default_rng(1).integers(3, VOCAB, 61).tolist()  # 3 blocks hit (never the last token's)
+    directory = family_exports("gemma3", "inplace", RING_CHUNK)
+    manifest = Manifest.load(directory)
+    full = cache_tensors(manifest.model, "fp32", manifest.max_seq_len)
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    with LLMEngine(directory, threads=1, slots=2) as engine:
+        first = engine.generate([prompt], params)[0]
+        again = engine.generate([prompt], params)[0]
+        stats, runner = engine.stats(), engine.runner
+        assert stats["kv_bytes_allocated"] == runner.slots * slot_bytes(manifest.cache_tensors, runner.capacity)
+        assert stats["kv_bytes_allocated"] < runner.slots * slot_bytes(full, runner.capacity)
+        assert {name: buf.shape[2] for name, buf in runner.kv_arrays.items()} == {
+            t.name: t.held(runner.capacity) for t in manifest.cache_tensors}
+        assert engine.limits.slots == 2
+    ring = next(t for t in manifest.cache_tensors if t.window is not None)
+    runner = open_runner(directory, threads=1)
+    run = Greedy(runner, [prompt], NEW_TOKENS)
+    run.prefill(every_position=False)
+    for _ in range(NEW_TOKENS - 1):
+        run.step()
+    before = {name: buf[0].copy() for name, buf in runner.kv_arrays.items()}
+    blocks = runner.read_blocks(0, 0, -(-int(run.lengths[0]) // 16))
+    for buf in runner.kv_arrays.values():
+        buf[0] = 0
+    runner.write_blocks(0, 0, blocks)
+    assert all(np.array_equal(buf[0], before[name]) for name, buf in runner.kv_arrays.items())
+    with pytest.raises(ValueError, match="exceeds the export's max_chunk 12"):
+        runner.step(np.ones((1, RING_CHUNK + 1), np.int64), np.zeros(1, np.int64), np.array([RING_CHUNK + 1]))
+    assert first.cached_tokens == 0 and again.cached_tokens == 48 > ring.tokens
+    assert again.token_ids == first.token_ids and len(set(first.token_ids)) > 8
+    modes = [next(a.s.decode() for a in n.attribute if a.name == "mode")
+             for n in all_nodes(onnx.load(str(directory / "model.onnx")).graph) if n.op_type == "TensorScatter"]
+    assert sorted(modes) == ["circular"] * 2 + ["linear"] * 2  # layer 1 slides: its key and value in a ring
+    with pytest.raises(ManifestError, match="ring-cache export: TensorRT is not built"):
+        choose_backend("tensorrt", manifest, directory)
+
+
+def test_ring_cache_rows_swap_out_and_back(family_exports):
+    """Six Gemma-3-shaped ring sequences in a budget of two at their promised length: optimistic
+    admission starts them all and swaps the youngest out to the host pool as they grow (ring
+    cells and all) and back in; every sequence generates what it does when reserved up front."""
+    from kvforge.manifest import slot_bytes
+    from runtime.llm_engine import LLMEngine, SamplingParams
+
+    directory = family_exports("gemma3", "inplace", RING_CHUNK)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, VOCAB, 40 + i).tolist() for i in range(6)]
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    options = dict(threads=1, slots=8, kv_cache_bytes=2 * slot_bytes(Manifest.load(directory).cache_tensors, 160))
+    with LLMEngine(directory, admission="reserve", **options) as reserving:
+        expected = [o.token_ids for o in reserving.generate(prompts, params)]
+    with LLMEngine(directory, **options) as engine:
+        got = [o.token_ids for o in engine.generate(prompts, params)]
+        stats = engine.stats()
+    assert got == expected and stats["preempted_swap"] > 0 and stats["preempted_recompute"] == 0, stats
+
+
+def test_ring_cache_hands_prompts_over(family_exports, patient):
+    """A prefill worker prefills Gemma-3-shaped ring prompts and hands their blocks over (as a
+    prefix hit past the ring's 34 cells); the decode side generates what it does alone."""
+    from runtime.disaggregation import Disaggregation
+    from runtime.llm_engine import LLMEngine, SamplingParams
+    from tests.waiting import wait_for
+
+    directory = family_exports("gemma3", "inplace", RING_CHUNK)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, VOCAB, n).tolist() for n in (61, 50)]
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    with LLMEngine(directory, threads=1, prefix_cache=False) as alone:
+        expected = [o.token_ids for o in alone.generate(prompts, params)]
+    with LLMEngine(directory, threads=1, disaggregation=Disaggregation(threads=1, threshold_tokens=0)) as engine:
+        wait_for(lambda: engine.pd.up, "the prefill worker to start", 120.0)
+        outputs = engine.generate(prompts, params)
+        stats = engine.stats()
+    assert [o.token_ids for o in outputs] == expected
+    assert [o.cached_tokens for o in outputs] == [48, 48] and stats["pd_handoffs"] == 2, stats
 
 
 def test_qwen3_norms_stay_standard_ops(family_exports):

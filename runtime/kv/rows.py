@@ -16,7 +16,8 @@ batch that outgrows the budget preempts its youngest sequence (runtime/kv/manage
 buffers are views of one reservation of the budget (or of every slot at max_seq_len, if less),
 mapped at startup (runtime/runners/ort.py SlotReservation): a resize or a row move never touches
 fresh pages. Bytes come from the manifest per cache tensor (kvforge.manifest.CacheTensor): a
-slot of capacity C holds min(C, tensor.tokens) positions of each.
+slot of capacity C holds tensor.held(C) positions of each (min(C, tokens); a sliding layer's ring
+all its cells, and no step writes more than the export's max_chunk per row: step_room).
 
 Every copy is decided here and recorded, in order, as a KVCopies plan (`take_copies`): the
 scheduler returns what its decisions imply and the engine runs it inside the timed step
@@ -115,8 +116,10 @@ class PackedRows:
     def step_room(self) -> int:
         """The widest next step: a step writes a window of its width into every row (the in-place
         scatter), so every row's cache plus the width must fit the largest capacity whose buffers
-        stay within kv_cache_bytes (and max_seq_len). At least 1: fits() holds."""
-        return max(1, self._capacity_for(len(self._running)) - max(s.num_cached for s in self._running))
+        stay within kv_cache_bytes (and max_seq_len), and at most the export's max_chunk (its
+        rings hold one chunk beyond the window). At least 1: fits() holds."""
+        room = max(1, self._capacity_for(len(self._running)) - max(s.num_cached for s in self._running))
+        return min(room, self.runner.manifest.max_chunk or room)
 
     def _capacity_for(self, rows: int) -> int:
         """The largest capacity whose buffers for `rows` rows stay within kv_cache_bytes (and

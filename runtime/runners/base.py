@@ -156,6 +156,9 @@ class Runner(ABC):
             raise ValueError(f"{rows} rows exceed the {self.slots} allocated slots")
         if write_positions.shape != (rows,) or num_new.shape != (rows,):
             raise ValueError("write_positions and num_new need one entry per row")
+        if self.manifest.max_chunk is not None and seq > self.manifest.max_chunk:
+            raise ValueError(f"a step of {seq} tokens per row exceeds the export's max_chunk "
+                             f"{self.manifest.max_chunk} (its sliding layers' rings hold one chunk beyond the window)")
         needed = int((write_positions + seq).max())
         if needed > self.capacity:
             raise ValueError(f"step needs {needed} cache positions but capacity is {self.capacity}; resize first")

@@ -19,7 +19,7 @@ import numpy as np
 
 from kvforge.engine_config import DEFAULT_SPIN_US, read_variable
 from kvforge.manifest import CacheTensor, Manifest, ManifestError
-from runtime.runners.base import Blocks, Runner, as_blocks, pack_step
+from runtime.runners.base import Blocks, Runner, as_blocks, as_tokens, pack_step
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h
 POPULATE_CHUNK_BYTES = 64 << 20
@@ -65,6 +65,10 @@ class _OrtRunner(Runner):
         """A zeroed buffer [rows, heads, length, width] for a cache tensor."""
         t = self.cache[past_name]
         return np.zeros((rows, t.heads, length, t.width), NUMPY_DTYPES[t.dtype])
+
+    def _slot_buffer(self, past_name: str, rows: int, capacity: int) -> np.ndarray:
+        """A buffer of what a slot of `capacity` holds of the tensor: a ring all its cells."""
+        return self._buffer(past_name, rows, self.cache[past_name].held(capacity))
 
 
 class SlotReservation:
@@ -131,7 +135,11 @@ class OrtInplaceRunner(_OrtRunner):
 
     def reserve(self, nbytes: int) -> None:
         """Before allocate: one reservation of `nbytes` of KV (SlotReservation) holds every later
-        layout that fits it."""
+        layout that fits it. Not with rings yet: its flat arrays split positions among the
+        tensors in one proportion, while a ring's share of a layout grows with the rows and not
+        with the capacity (their buffers come per layout instead, as without a reservation)."""
+        if self.manifest.rings:
+            return
         tensors = tuple(self.cache.values())
         self.reservation = SlotReservation(tensors, nbytes // sum(t.bytes_per_token for t in tensors))
 
@@ -143,7 +151,7 @@ class OrtInplaceRunner(_OrtRunner):
         if self._reserved(slots, capacity):
             self.buffers = self.reservation.views(slots, capacity)
         else:
-            self.buffers = {past: self._buffer(past, slots, capacity) for past, _ in self.pairs}
+            self.buffers = {past: self._slot_buffer(past, slots, capacity) for past, _ in self.pairs}
         self._binding, self._bound_rows = None, 0
 
     def step(self, input_ids, write_positions, num_new, logit_positions=None, prompt_lengths=None):
@@ -176,7 +184,7 @@ class OrtInplaceRunner(_OrtRunner):
         return self._binding
 
     def move(self, src, dst, length):
-        for buf in self.buffers.values():
+        for buf in self.buffers.values():  # a ring past its cells: every cell (the slice stops there)
             buf[dst, :, :length] = buf[src, :, :length]
 
     def resize(self, capacity, rows, slots=None):
@@ -192,21 +200,31 @@ class OrtInplaceRunner(_OrtRunner):
             return
         old = self.buffers
         self.allocate(slots, capacity)
-        for name, buf in self.buffers.items():
+        for name, buf in self.buffers.items():  # a ring below its cells holds no wrapped position
             buf[:rows, :, :keep] = old[name][:rows, :, :keep]
 
     def read_blocks(self, row, start, n) -> Blocks:
+        """A ring's positions come from their cells (p mod its cells): read right after the step
+        that filled them (the prefix cache's store), they are all still there; a swap-out's older
+        ones read as whatever their cells hold now, and write_blocks puts exactly that back."""
         lo, hi = self.block_range(start, n)
-        return {name: as_blocks(buf[row, :, lo:hi], n, self.block.tokens) for name, buf in self.buffers.items()}
+        return {name: as_blocks(buf[row, :, lo:hi] if self.cache[name].window is None
+                                else buf[row][:, np.arange(lo, hi) % buf.shape[2]], n, self.block.tokens)
+                for name, buf in self.buffers.items()}
 
     def write_blocks(self, row, start, data: Blocks) -> None:
         """Straight into the slot: the full blocks through a [heads, blocks, block_tokens, D] view of
-        it, then a partial last one (no staging copy)."""
+        it, then a partial last one (no staging copy). A ring takes the last of the positions that
+        land in it, at their cells: what a miss leaves there (blocks come in position order)."""
         n = len(next(iter(data.values())))
         lo, hi = self.block_range(start, n)
         tokens = self.block.tokens
         full = (hi - lo) // tokens
         for name, buf in self.buffers.items():
+            if self.cache[name].window is not None:
+                kept = min(hi - lo, buf.shape[2])
+                buf[row][:, np.arange(hi - kept, hi) % buf.shape[2]] = as_tokens(data[name], hi - lo)[:, -kept:]
+                continue
             blocks = buf[row, :, lo:lo + full * tokens]
             blocks.shape = (buf.shape[1], full, tokens, buf.shape[3])  # a view, or an error: never a copy
             blocks[:] = data[name][:full].transpose(1, 0, 2, 3)
@@ -241,7 +259,7 @@ class OrtConcatRunner(_OrtRunner):
 
     def allocate_cached(self, slots, length, capacity):
         self.allocate(slots, capacity)
-        self.past = {past: self._buffer(past, slots, length) for past, _ in self.pairs}
+        self.past = {past: self._buffer(past, slots, min(length, self.cache[past].held(length))) for past, _ in self.pairs}
         self.mask = np.ones((slots, length), np.int64)
 
     @property
@@ -272,6 +290,11 @@ class OrtConcatRunner(_OrtRunner):
         self.mask[:rows][write_positions == 0] = 0  # a row starting over forgets its old tokens
         new_mask = (np.arange(seq)[None, :] < num_new[:, None]).astype(np.int64)
         mask = np.concatenate([self.mask[:rows], new_mask], axis=1)
+        gaps = int((mask.shape[1] - mask.sum(axis=1)).max())
+        if self.manifest.rings and gaps >= self.manifest.max_chunk:
+            raise ValueError(f"a row would have {gaps} padding columns; with sliding layers' rings (the last "
+                             f"max_chunk - 1 + window columns) the concat layout allows at most "
+                             f"{self.manifest.max_chunk - 1}: step rows with their prompts together, or run inplace")
         feeds = {"input_ids": input_ids, "attention_mask": mask,
                  "position_ids": write_positions[:, None] + np.arange(seq)[None, :]}
         if prompt_lengths is not None:
