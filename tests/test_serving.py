@@ -128,7 +128,8 @@ def test_http_generate_and_generate_stream_endpoints(triton):
 
 def test_concurrent_requests_run_in_the_same_steps(triton, grpc):
     """Nine requests run while a LONG one decodes (it is cancelled once they are done, so it
-    decoded all along): every step that gave one of them a decoded token ran two rows or more."""
+    decoded all along; on a host slow enough that its LONG tokens end first, it finishes): every
+    step that gave one of them a decoded token ran two rows or more."""
     before = settled_metrics(triton)
     holder_started, leave = threading.Event(), threading.Event()
 
@@ -159,10 +160,13 @@ def test_concurrent_requests_run_in_the_same_steps(triton, grpc):
         leave.set()
         holder.join(120)
     assert all(r is not None and len(r.token_ids) == tokens for r in results)
-    after = wait_for_metrics(triton, lambda m: m["kvforge_cancelled_requests_total"]
-                             == before["kvforge_cancelled_requests_total"] + 1
-                             and m["kvforge_running_sequences"] == 0, "the long request cancelled")
-    assert after["kvforge_finished_requests_total"] - before["kvforge_finished_requests_total"] == shorts
+
+    def ended(m: dict[str, float]) -> dict[str, float]:
+        return {k: m[k] - before[k] for k in ("kvforge_finished_requests_total", "kvforge_cancelled_requests_total")}
+
+    after = wait_for_metrics(triton, lambda m: sum(ended(m).values()) == shorts + 1
+                             and m["kvforge_running_sequences"] == 0, "the ten requests ended")
+    assert ended(after)["kvforge_finished_requests_total"] in (shorts, shorts + 1)  # the holder cancelled or done
     steps = after["kvforge_steps_total"] - before["kvforge_steps_total"]
     batched = after["kvforge_batched_steps_total"] - before["kvforge_batched_steps_total"]
     generated = after["kvforge_generated_tokens_total"] - before["kvforge_generated_tokens_total"]
