@@ -37,8 +37,12 @@ DEFAULT_URLS = {"grpc": "127.0.0.1:8001", "http": "127.0.0.1:8000"}
 # the llm inputs a request may carry (datatypes: kvforge/llm_io.py)
 OPTIONS = ("text_input", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_words", "stream",
           "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "bad_words", "end_id",
-          "ignore_eos", "exclude_input_in_output", "speculative", "guided_decoding_guide_type", "guided_decoding_guide")
+          "ignore_eos", "exclude_input_in_output", "speculative", "guided_decoding_guide_type", "guided_decoding_guide",
+          "return_log_probs", "logprobs", "min_p", "logit_bias_token_ids", "logit_bias", "allowed_token_ids",
+          "stop_token_ids")
 GRPC_OUTPUTS = ("text_output", "output_ids")  # what a stream reads; the server builds only these
+LOG_PROB_OUTPUTS = ("output_log_probs",)  # with return_log_probs (or logprobs > 0)
+TOP_LOG_PROB_OUTPUTS = ("output_top_log_probs", "output_top_token_ids")  # with logprobs > 0
 MAX_GRPC_MESSAGE_BYTES = 2**31 - 1  # what tritonclient's own channels allow (gRPC's default receive: 4 MiB)
 
 
@@ -60,6 +64,8 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     ttft: float | None = None  # seconds to the first token
     elapsed: float = 0.0
+    logprobs: list[float] = field(default_factory=list)  # per token, when asked for (the raw model's)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, with logprobs=k
 
     @property
     def tokens_per_second(self) -> float:
@@ -72,6 +78,8 @@ class Completion:
             self.ttft = delta.time
         self.text += delta.text
         self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs or []
+        self.top_logprobs += delta.top_logprobs or []
         self.elapsed = delta.time
 
 
@@ -87,7 +95,8 @@ def request_fields(prompt: str | bytes, max_tokens: int, stream: bool = True, **
 
 def grpc_request(model: str, fields: dict):
     """A ModelInferRequest for `fields` (request_fields), every input as raw contents as
-    tritonclient sends them, asking for GRPC_OUTPUTS and an empty final response."""
+    tritonclient sends them, asking for GRPC_OUTPUTS (and the log-prob outputs the fields ask
+    for) and an empty final response."""
     from tritonclient.grpc import service_pb2
     from tritonclient.utils import serialize_byte_tensor
 
@@ -100,7 +109,10 @@ def grpc_request(model: str, fields: dict):
         request.inputs.add(name=name, datatype=spec.datatype, shape=data.shape)
         request.raw_input_contents.append(serialize_byte_tensor(data).item() if spec.datatype == "BYTES"
                                           else data.tobytes())
-    for name in GRPC_OUTPUTS:  # only these: the server then builds and sends nothing else per token
+    top = (fields.get("logprobs") or 0) > 0
+    log_probs = LOG_PROB_OUTPUTS if top or fields.get("return_log_probs") else ()
+    for name in GRPC_OUTPUTS + log_probs + (TOP_LOG_PROB_OUTPUTS if top else ()):
+        # only these: the server then builds and sends nothing else per token
         request.outputs.add(name=name)
     request.parameters["triton_enable_empty_final_response"].bool_param = True
     return request

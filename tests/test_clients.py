@@ -324,6 +324,19 @@ def test_top_log_probs_min_p_logit_bias_and_token_id_lists(triton):
     assert body["output_ids"] == greedy[:4] and body["output_top_token_ids"][::2] == greedy[:4], body
 
 
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_the_python_client_returns_log_probs_and_sends_the_sampling_lists(triton, protocol):
+    client = LLMClient(triton.grpc_url if protocol == "grpc" else triton.http_url, protocol)
+    greedy = client.generate(PROMPT, max_tokens=6).token_ids
+    scored = client.generate(PROMPT, max_tokens=6, logprobs=3)
+    assert scored.token_ids == greedy and len(scored.logprobs) == len(scored.top_logprobs) == 6
+    assert [top[0][0] for top in scored.top_logprobs] == greedy  # greedy: the raw model's most likely
+    assert [top[0][1] for top in scored.top_logprobs] == pytest.approx(scored.logprobs)
+    assert client.generate(PROMPT, max_tokens=6, return_log_probs=True).top_logprobs == []
+    allowed = client.generate(PROMPT, max_tokens=6, temperature=1.0, seed=3, allowed_token_ids=greedy[:2])
+    assert set(allowed.token_ids) <= set(greedy[:2])
+
+
 def test_echo_top_p_zero_and_token_counts(triton, grpc):
     greedy = grpc.generate(PROMPT, max_tokens=24).text
     assert text_of(generate(triton, exclude_input_in_output=False)) == PROMPT + greedy
