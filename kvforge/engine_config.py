@@ -27,6 +27,10 @@ LAUNCHER, REPOSITORY, API = "launcher", "repository", "api"
 ENV_PREFIX = "KVFORGE_"
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+# A prefill step's attention scores (chunk rows x chunk x keys x heads x 4 B, one layer at a time)
+# stay within this: the chunk narrows as the context grows (kvforge/limits.py prefill_chunk).
+# 256 MiB keeps every preset's 512-token chunks up to 4K context (small-llama: 128 MiB at 4K).
+DEFAULT_SCORES_BYTES = 256 << 20
 MIN_PREFILL_BUDGET, MAX_PREFILL_BUDGET = 2, 8192
 # the default inter-token-latency target, in measured decode steps: a step beside decoding rows
 # takes at most this many. `python -m bench --sections stream_gaps` (small-llama, 2026-12-05, two
@@ -75,8 +79,10 @@ class EngineConfig:
     max_waiting: int | None = setting(None, "requests that may wait for a slot (default: kvforge/limits.py's "
                                       "WAITING_PER_SLOT per slot; 0 refuses every request as a full queue would)",
                                       channel=REPOSITORY, low=0)
-    kv_cache_bytes: int = setting(DEFAULT_KV_CACHE_BYTES, "KV memory the llm model may promise", channel=REPOSITORY,
-                                  above=0, flag="--kv-cache-mib", scale=1 << 20)
+    kv_cache_bytes: int | None = setting(
+        None, f"KV memory the llm model may promise, mapped at startup (default: {DEFAULT_KV_CACHE_BYTES >> 20} MiB, "
+        "or one sequence at the engine's max_seq_len if more; refused at start beyond the RAM available)",
+        channel=REPOSITORY, above=0, flag="--kv-cache-mib", scale=1 << 20)
     # ---- the launcher's (KVFORGE_* variables)
     prefix_cache: bool = setting(True, "reuse the KV of repeated prompt prefixes")
     kv_host_bytes: int | None = setting(None, "byte budget of the host RAM KV block pool (default: a quarter of "
@@ -130,6 +136,10 @@ class EngineConfig:
                                  "feeds them as one chunk instead of one decode step each; the same tokens "
                                  "(requests asking for log-probs decode step by step). Off until measured on an "
                                  "idle machine: `python -m bench --sections structured`")
+    attention_scores_bytes: int = setting(
+        DEFAULT_SCORES_BYTES, "the attention scores one prefill step may make per layer (chunk rows x chunk x keys x "
+        "heads x 4 B): long contexts take narrower prompt chunks (also the step model's)", above=0,
+        flag="--attention-scores-mib", scale=1 << 20)
     # ---- in-process only
     admission: str = setting("optimistic", "optimistic: admit on the KV sequences hold now and preempt the "
                              "youngest when they outgrow it; reserve: promise prompt + max_tokens up front",
@@ -303,7 +313,7 @@ def add_flags(parser: argparse.ArgumentParser, channel: str | None = None,
         elif t is bool:
             parser.add_argument(flag(f), dest=f.name, choices=("on", "off"), default=None, help=f"{help} (default: on)")
         else:
-            default = f.default // m["scale"] if m["scale"] != 1 else f.default
+            default = f.default // m["scale"] if m["scale"] != 1 and f.default is not None else f.default
             shown = f" (default: {default})" if f.default is not None else ""
             parser.add_argument(flag(f), dest=f.name, type=t, choices=m["choices"] or None, default=None,
                                 metavar=flag(f)[2:].upper().replace("-", "_") if not m["choices"] else None,

@@ -22,7 +22,7 @@ from kvforge.manifest import Manifest, ManifestError, cache_namespace
 from kvforge.block_hash import MAX_CACHE_SALT_BYTES
 from kvforge.errors import EngineError, RequestError
 from kvforge.engine_config import EngineConfig
-from kvforge.limits import Limits
+from kvforge.limits import Limits, mib
 from runtime.disaggregation import Disaggregation, PrefillWorker
 from runtime.grammar import Grammars
 from runtime.kv.block_pool import HostBlockPool, default_kv_host_bytes
@@ -100,7 +100,8 @@ class LLMEngine:
         itl_target = None if config.itl_target_ms is None else config.itl_target_ms / 1000
         self.scheduler = Scheduler(self.kv, manifest.max_seq_len, self.limits.max_waiting, config.prefill_budget,
                                    itl_target, config.itl_target_steps, config.solo_prefill_tokens,
-                                   config.scheduler == "stall-free", speculation or Speculation())
+                                   config.scheduler == "stall-free", speculation or Speculation(),
+                                   config.attention_scores_bytes)
         self._ids = itertools.count(1)
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="kvforge-engine", daemon=True)
@@ -157,9 +158,12 @@ class LLMEngine:
         if timeout is not None:
             seq.deadline = seq.arrived + timeout
         if not self.kv.rows.fits_ever(seq):
-            raise RequestError(f"the request needs {self.runner.bucket_for(seq.max_tokens_total)} KV tokens "
-                               f"(its capacity bucket) but the cache holds {self.limits.kv_tokens}; "
-                               "lower max_tokens or shorten the prompt")
+            limits = self.limits
+            raise RequestError(f"the request needs {self.runner.bucket_for(seq.max_tokens_total)} KV tokens (the "
+                               f"capacity bucket of its {len(ids)}-token prompt plus max_tokens {params.max_tokens}) "
+                               f"but the cache holds {limits.kv_tokens} (kv_cache_bytes {mib(limits.kv_cache_bytes)} "
+                               f"at {limits.kv_bytes_per_token} bytes per token), so it could never run: lower "
+                               "max_tokens or shorten the prompt (the server's KV_CACHE_MIB sets the budget)")
         if params.guide is not None:  # compiled last, once every cheaper check passed
             seq.constraint = self.grammars.constraint(params.guide, seq.stop_token_ids)
             seq.jump_forward = self.config.jump_forward and not params.logprobs

@@ -50,9 +50,10 @@ from collections import deque
 
 import numpy as np
 
-from kvforge.engine_config import (ITL_TARGET_DECODE_STEPS, MAX_PREFILL_BUDGET, MIN_PREFILL_BUDGET,
-                                   SOLO_PREFILL_TOKENS, bounds_problem, setting_named)
+from kvforge.engine_config import (DEFAULT_SCORES_BYTES, ITL_TARGET_DECODE_STEPS, MAX_PREFILL_BUDGET,
+                                   MIN_PREFILL_BUDGET, SOLO_PREFILL_TOKENS, bounds_problem, setting_named)
 from kvforge.errors import QueueFullError
+from kvforge.limits import prefill_chunk
 from runtime.kv.manager import KVManager
 from runtime.kv.rows import KVCopies
 from runtime.runners.base import Batch
@@ -127,6 +128,41 @@ class StepCosts:
         return int(min(max(tokens, MIN_PREFILL_BUDGET), MAX_PREFILL_BUDGET))
 
 
+class RecomputeCost:
+    """What recomputing prompt tokens costs, as measured: per prompt token of a step, a + b x the
+    keys its chunk attends over (the weight matmuls, then attention, which grows with the
+    context), fitted by least squares over the prefill steps seen, each weighted like StepCosts'
+    estimates (COST_WEIGHT). Recomputing tokens first..last then costs the integral,
+    a (last - first) + b (last^2 - first^2) / 2: a 100K-token prefix is quadratic in its length,
+    where a rate measured on short chunks would price it linearly (many times too cheap)."""
+
+    def __init__(self):
+        self.moments = np.zeros(5)  # weighted sums of 1, keys, keys^2, per-token seconds, keys x per-token seconds
+
+    def measured(self, tokens: int, keys: int, seconds: float) -> None:
+        """A step whose prompt chunks held `tokens` tokens attending over up to `keys` keys."""
+        y = seconds / tokens
+        self.moments = (1 - COST_WEIGHT) * self.moments + COST_WEIGHT * np.array([1, keys, keys * keys, y, keys * y])
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """(a, b), or None before any measurement; b = 0 (a flat rate) until the steps measured
+        spread over different key spans."""
+        n, x, xx, y, xy = self.moments
+        if n == 0:
+            return None
+        variance = xx / n - (x / n) ** 2
+        b = max(0.0, (xy / n - x * y / n ** 2) / variance) if variance > (x / n) ** 2 * 1e-3 else 0.0
+        return max(y / n - b * x / n, 0.0), b
+
+    def seconds(self, first: int, last: int) -> float | None:
+        """Estimated seconds to prefill prompt tokens first..last-1 (None: nothing measured yet)."""
+        fitted = self.coefficients()
+        if fitted is None:
+            return None
+        a, b = fitted
+        return a * (last - first) + b * (last * last - first * first) / 2
+
+
 def similar_spans(spans: list[int], budget: int) -> bool:
     """Whether prompt chunks ending at these cache positions may share a step: the chunk rows'
     queries all attend over the longest span (pack_step), so a chunk joins only while that at
@@ -142,10 +178,11 @@ class Scheduler:
     def __init__(self, kv: KVManager, max_seq_len: int, max_waiting: int,
                  prefill_budget: int | None = None, itl_target: float | None = None,
                  itl_target_steps: float | None = None, solo_prefill_tokens: int = SOLO_PREFILL_TOKENS, stall_free: bool = True,
-                 speculation: Speculation = Speculation()):
+                 speculation: Speculation = Speculation(), scores_bytes: int = DEFAULT_SCORES_BYTES):
         """prefill_budget: a fixed number of prompt tokens per step beside the decoding rows;
         None (the default): the budget follows the ITL target (itl_target seconds, or
-        itl_target_steps measured decode steps; neither: ITL_TARGET_DECODE_STEPS)."""
+        itl_target_steps measured decode steps; neither: ITL_TARGET_DECODE_STEPS).
+        scores_bytes: the attention scores a step's prompt chunks may make (prefill_chunk)."""
         if prefill_budget is not None:
             check_prefill_budget(prefill_budget)
             if itl_target is not None or itl_target_steps is not None:
@@ -159,6 +196,8 @@ class Scheduler:
         self.costs = StepCosts(itl_target, itl_target_steps)
         self.solo_prefill_tokens = max(prefill_budget or PREFILL_BUDGET, solo_prefill_tokens)  # when no row decodes
         self.stall_free = stall_free
+        self.scores_bytes = scores_bytes
+        self.heads = kv.rows.runner.manifest.model.num_heads
         self.waiting: deque[Sequence] = deque()
         self.requests: dict[int, Sequence] = {}
         self.cancelled: set[int] = set()
@@ -168,7 +207,7 @@ class Scheduler:
                              cancelled=0, expired=0, prefix_waits=0, tier_loads_expired=0, preempted_swap=0,
                              preempted_recompute=0, row_steps=0, spec_verify_rows=0, spec_draft_tokens=0,
                              spec_accepted_tokens=0, longrope_recomputes=0, forced_tokens=0)
-        self.prefill_tokens_per_second: float | None = None  # measured, for the load-or-recompute choice
+        self.recompute = RecomputeCost()  # measured, for the load-or-recompute choice
 
     @property
     def running(self) -> tuple[Sequence, ...]:
@@ -246,8 +285,7 @@ class Scheduler:
         return outputs, batch, self.kv.rows.take_copies()
 
     def _recompute_seconds(self, seq: Sequence, hit_blocks: int) -> float | None:
-        rate = self.prefill_tokens_per_second
-        return None if rate is None else (seq.num_prompt - hit_blocks * self.kv.block_tokens) / rate
+        return self.recompute.seconds(hit_blocks * self.kv.block_tokens, seq.num_prompt)
 
     @property
     def loading(self) -> int:
@@ -325,7 +363,7 @@ class Scheduler:
         pending = [s.pending for s in running]
         decoding = 1 in pending
         budget = self.step_budget() if decoding else self.solo_prefill_tokens
-        room = rows.step_room()
+        room = min(rows.step_room(), self._scores_room(running, pending))
         if max(pending) == 1 and (drafted := self._speculative_batch(room)) is not None:
             return drafted
         if not self.stall_free:
@@ -343,6 +381,13 @@ class Scheduler:
         kind = "decode" if width == 1 else "mixed" if decoding else "prefill"
         rows.fit_capacity(max(s.num_cached for s in running) + width, rows.ends())
         return Batch.of(kind, running, width, num_new)
+
+    def _scores_room(self, running: tuple[Sequence, ...], pending: list[int]) -> int:
+        """The widest chunk per row whose attention scores stay within scores_bytes: over the
+        rows feeding prompt chunks (every row, when none does: drafts are chunks too), each
+        attending over the longest of their spans (pack_step)."""
+        chunk_rows = [s for s, p in zip(running, pending) if p > 1] or running
+        return prefill_chunk(max(s.num_cached for s in chunk_rows), len(chunk_rows), self.heads, self.scores_bytes)
 
     def step_budget(self) -> int:
         """Prompt tokens for the next step beside decoding rows."""
@@ -394,12 +439,11 @@ class Scheduler:
             if not batch.drafts.any():
                 self.costs.measured(0, len(batch.num_new), seconds)
             return
-        chunks = batch.num_new[batch.num_new > 1]
+        multi = batch.num_new > 1
+        chunks = batch.num_new[multi]
         self.costs.measured(int(chunks.sum()), int((batch.num_new == 1).sum()), seconds)
-        if len(chunks):
-            rate = int(chunks.sum()) / max(seconds, 1e-6)
-            old = self.prefill_tokens_per_second
-            self.prefill_tokens_per_second = rate if old is None else 0.7 * old + 0.3 * rate
+        if len(chunks):  # the chunk rows attend over the longest of their spans (pack_step)
+            self.recompute.measured(int(chunks.sum()), int((batch.write_positions[multi] + chunks).max()), seconds)
 
     def postprocess(self, batch: Batch, logits: np.ndarray) -> tuple[list[tuple[Sequence, RequestOutput]], KVCopies]:
         """The step's tokens taken (its filled blocks stored); returns the outputs and the KV copies

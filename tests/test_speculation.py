@@ -77,19 +77,19 @@ def test_speculative_greedy_tokens_equal_plain_greedy_tokens(exports, kv_dtype):
 
 
 def test_a_verifying_step_is_not_taken_for_prompt_throughput(exports):
-    """The prefill rate decides loading a prefix from disk / Redis against recomputing it: a
+    """The prefill cost decides loading a prefix from disk / Redis against recomputing it: a
     decode step feeding drafted tokens must not pass for a fast prompt chunk."""
     with LLMEngine(exports("inplace", "fp32"), speculation=Speculation()) as engine:
         engine.generate(BATCH[:1], GREEDY)
         scheduler = engine.scheduler  # the engine thread is idle: no request is live
-        rate = scheduler.prefill_tokens_per_second
-        assert rate is not None  # the prompt's step measured it
+        moments = scheduler.recompute.moments.copy()
+        assert scheduler.recompute.seconds(0, 64) is not None  # the prompt's step measured it
         verifying = Batch("decode", np.zeros((1, 5), np.int64), np.array([60]), np.array([5]), np.array([4]))
         scheduler.measured(verifying, 1e-6)
-        assert scheduler.prefill_tokens_per_second == rate
+        np.testing.assert_array_equal(scheduler.recompute.moments, moments)
         chunk = Batch("prefill", np.zeros((1, 64), np.int64), np.array([0]), np.array([64]), np.array([0]))
         scheduler.measured(chunk, 1.0)
-        assert scheduler.prefill_tokens_per_second == pytest.approx(0.7 * rate + 0.3 * 64)
+        assert scheduler.recompute.moments[3] == pytest.approx(0.7 * moments[3] + 0.3 / 64)
 
 
 def test_max_tokens_and_stop_strings_cut_a_verified_run_where_plain_decoding_would(exports):

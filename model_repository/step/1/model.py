@@ -1,8 +1,8 @@
 """Triton model `step`: the raw decoder step for scoring, batched by Triton's dynamic batcher.
 
 input_ids [1, n] (INT64, one sequence per request; other shapes are refused) -> logits
-[1, n, vocab] (FP32) of every position. Requests that arrive together run as one padded step;
-no KV cache outlives a request.
+[1, n, vocab] (FP32) of every position, n at most runtime/scorer.py's bound. Requests that
+arrive together run as one padded batch, in prompt chunks through a cache no request outlives.
 """
 import json
 from pathlib import Path
