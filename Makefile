@@ -81,7 +81,8 @@ verify: $(EXPORT_DIR)/manifest.json
 	$(PY) -m export.verify $(EXPORT_DIR)
 
 # the llm model's config.pbtxt: SLOTS = sequences decoding at once (empty: as many as fit KV_CACHE_MIB at full
-# context), KV_CACHE_MIB = the KV memory it may promise (empty: 1024); `make repository` rewrites only these
+# context), KV_CACHE_MIB = the KV memory it may promise, mapped at startup (empty: 1024, or one MAX_SEQ_LEN
+# sequence if more; refused beyond 80% of the RAM available); `make repository` rewrites only these
 SLOTS ?=
 KV_CACHE_MIB ?=
 REPOSITORY := $(PY) -m engines repository $(ENGINE_DIR) --repo model_repository $(if $(SLOTS),--slots $(SLOTS),) \

@@ -29,6 +29,17 @@ PRESETS = {
     # a fifth of the FLOPs per token, as in Llama-2-style models.
     "small-llama-32k": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
                             intermediate_size=2816, vocab_size=32000, max_position_embeddings=4096),
+    # 131,072 positions with a real 1B model's KV per token (16 KiB in fp32: 4 layers x K and V x 8
+    # heads x 64 x 4 B; Llama-3.2-1B's is 64 KiB in fp32, 32 KiB in bf16), so that memory and tier
+    # figures at long context mean something; ~17M parameters, few heads (a prefill's attention
+    # work grows with layers x heads x head_dim). RoPE as Llama 3.2 reaches 128K: theta 500,000 and
+    # llama3 scaling by 32 of an original 4,096. Random weights like every preset: no quality at any
+    # length (docs/serving.md#long-context).
+    "long-llama": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
+                       intermediate_size=1376, vocab_size=4096, max_position_embeddings=131072,
+                       rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                                          "high_freq_factor": 4.0,
+                                                          "original_max_position_embeddings": 4096}),
 }
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2
 TOKENIZER_CORPUS_BYTES = 4 << 20
@@ -59,10 +70,10 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
 
 def hf_config(name: str) -> dict:
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", **PRESETS[name],
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "attention_bias": False,
         "tie_word_embeddings": False, "initializer_range": 0.02, "torch_dtype": "float32",
-        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **PRESETS[name],
     }
 
 

@@ -29,6 +29,10 @@ target off. The trade-off (stream ITL p99 vs long prompts' TTFT per target) is m
 generation of this scheduler. When no row decodes, prompts go in chunks of
 `solo_prefill_tokens`: nobody waits on the chunk.
 
+At long context every step's chunk is also narrowed so that its attention scores (chunk rows x
+chunk x keys x heads x 4 B, one layer at a time) stay within `scores_bytes`
+(kvforge/limits.py prefill_chunk): the chunk shrinks as the prompt's cached part grows.
+
 Speculation (runtime/speculation.py): in a step where every row decodes and at most
 `speculation.max_rows` do, a row that speculates feeds its pending token plus tokens
 drafted from its own context; postprocess keeps those the model agrees with (`_verified`).

@@ -14,7 +14,8 @@ import kvforge.limits as limits
 from clients.api import GenerationError, LLMClient
 from kvforge.errors import RequestError
 from kvforge.limits import Limits, prefill_chunk
-from kvforge.manifest import Manifest
+from export.presets import hf_config
+from kvforge.manifest import Manifest, ModelSpec, kv_bytes_per_token
 from runtime.llm_engine import LLMEngine, SamplingParams
 from runtime.runners import open_runner
 from runtime.scheduler import RecomputeCost
@@ -32,6 +33,12 @@ def long_dir(exports):
 
 def long_prompt(tokens: int) -> list[int]:
     return [(i * 7919) % 4000 + 3 for i in range(tokens)]
+
+
+def test_the_long_context_preset_has_a_1b_models_kv_per_token():
+    spec = ModelSpec.from_hf_config(hf_config("long-llama"))
+    assert spec.max_positions == 131072 and spec.rope_type == "llama3"
+    assert kv_bytes_per_token(spec, "fp32") == 16 << 10
 
 
 def test_prefill_chunk_keeps_the_scores_within_their_budget():
