@@ -37,6 +37,7 @@ class Limits:
     slots: int  # sequences decoding at once, each owning a KV slot
     kv_cache_bytes: int  # the runner's slot buffers never hold more
     kv_bytes_per_token: int
+    slot_bytes: int  # one sequence at max_seq_len (a sliding layer's ring counts its cells only)
     max_waiting: int
     score_rows: int  # sequences per step-model batch
     score_tokens: int  # tokens per step-model request (its logits within SCORE_LOGITS_BYTES)
@@ -53,7 +54,7 @@ class Limits:
     @property
     def kv_reserved_bytes(self) -> int:
         """What the runner maps at startup: the budget, or every slot at max_seq_len if less."""
-        return min(self.kv_cache_bytes, self.slots * self.kv_bytes_per_token * self.max_seq_len)
+        return min(self.kv_cache_bytes, self.slots * self.slot_bytes)
 
     @classmethod
     def from_manifest(cls, manifest: Manifest, slots: int | None = None, max_waiting: int | None = None,
@@ -76,7 +77,7 @@ class Limits:
         tokens = score_tokens(manifest)
         limits = cls(max_seq_len=manifest.max_seq_len, vocab_size=vocab, slots=slots,
                      kv_cache_bytes=kv_cache_bytes, kv_bytes_per_token=manifest.kv_bytes_per_token,
-                     max_waiting=max_waiting if max_waiting is not None else WAITING_PER_SLOT * slots,
+                     slot_bytes=per_slot, max_waiting=max_waiting if max_waiting is not None else WAITING_PER_SLOT * slots,
                      score_rows=max(1, min(slots, SCORE_LOGITS_BYTES // (tokens * vocab * 4))),
                      score_tokens=tokens)
         ram, source = available or available_ram()

@@ -435,8 +435,8 @@ class Scheduler:
 
     def measured(self, batch: Batch, seconds: float) -> None:
         """How long the runner took for `batch`: the step costs the budget follows, and from steps
-        with prompt chunks the rate that tells loading a prefix from disk / Redis from recomputing
-        it (a mixed step's decode rows make it slightly pessimistic: loads are then tried a little
+        with prompt chunks the recompute cost (RecomputeCost) that tells loading a prefix from disk /
+        Redis from recomputing it (a mixed step's decode rows make it slightly pessimistic: loads are then tried a little
         longer). A decode step has no prompt chunk, even when its rows verify drafted tokens (such
         a step measures neither cost)."""
         if batch.kind == "decode":
