@@ -57,7 +57,8 @@ def document(engine: LLMEngine, tokens: int) -> list[int]:
 def run(engine_dir: Path, lengths: list[int], threads: int | None, perplexity: bool, scores_bytes: int) -> dict:
     began = time.perf_counter()
     with LLMEngine(engine_dir, threads=threads, attention_scores_bytes=scores_bytes) as engine:
-        engine.runner.reservation.populated.wait()  # the KV reservation is mapped before anything is measured
+        if getattr(engine.runner, "reservation", None) is not None:  # mapped before anything is measured
+            engine.runner.reservation.populated.wait()
         limits, started = engine.limits, status_bytes("VmRSS")
         say(f"engine up: max_seq_len {limits.max_seq_len}, KV {limits.kv_bytes_per_token} B/token, budget "
             f"{limits.kv_cache_bytes >> 20} MiB (reserved {limits.kv_reserved_bytes >> 20} MiB), RSS {started >> 20} MiB")
