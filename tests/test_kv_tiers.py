@@ -204,6 +204,50 @@ def test_redis_entries_are_whole_and_namespaced(codec, redis_server, patient):
     assert RedisTier(redis_server.url, BlockCodec(codec.spec, b"o" * 32)).get_many(hashes) == []
 
 
+def test_redis_loads_in_pieces_and_stops_at_a_corrupt_block_or_a_hole(codec, redis_server, monkeypatch):
+    """A long prefix travels in pipelines of PIECE_BYTES (here two blocks): a corrupt block inside
+    the batch ends the run as a miss (no error), and a hole stops the fetching at its piece."""
+    import redis
+
+    monkeypatch.setattr(redis_tier, "PIECE_BYTES", 2 * codec.entry_bytes)
+    server = redis.Redis.from_url(redis_server.url)
+    tier_ = RedisTier(redis_server.url, codec)
+    hashes = [bytes([i]) * 16 for i in range(7)]
+    assert tier_.put_many([(h, codec.encode(h, random_block(codec, i))) for i, h in enumerate(hashes)]) == 7
+    server.set(tier_.key(hashes[4]), codec.encode(hashes[5], random_block(codec, 5)))  # another block's entry
+    got = tier_.get_many(hashes)
+    assert len(got) == 4 and all(same_block(g, random_block(codec, i)) for i, g in enumerate(got))
+    assert tier_.stats.counters["corrupt_blocks"] == 1 and tier_.stats.counters["errors"] == 0
+    server.delete(tier_.key(hashes[2]))
+    server.config_resetstat()
+    assert len(tier_.get_many(hashes)) == 2
+    assert server.info("commandstats")["cmdstat_get"]["calls"] == 4  # pieces [0, 1] and [2, 3]; none after
+
+
+def test_redis_lost_mid_load_keeps_the_pieces_that_arrived(codec, monkeypatch):
+    """The server dies between two pieces of one load: the first piece is a hit, the rest a miss
+    and one counted error, never an exception."""
+    import redis.client
+
+    monkeypatch.setattr(redis_tier, "PIECE_BYTES", 2 * codec.entry_bytes)
+    hashes = [bytes([i]) * 16 for i in range(6)]
+    with RedisServer(free_ports(1)[0]) as server:
+        tier_ = RedisTier(server.url, codec)
+        tier_.put_many([(h, codec.encode(h, random_block(codec, i))) for i, h in enumerate(hashes)])
+        queued, get = [], redis.client.Pipeline.get
+
+        def get_then_kill(pipe, key):
+            queued.append(key)
+            if len(queued) == 3:  # building the second piece
+                server.kill()
+            return get(pipe, key)
+
+        monkeypatch.setattr(redis.client.Pipeline, "get", get_then_kill)
+        got = tier_.get_many(hashes)
+    assert len(got) == 2 and all(same_block(g, random_block(codec, i)) for i, g in enumerate(got))
+    assert tier_.stats.counters["errors"] == 1 and tier_.stats.counters["miss_blocks"] == 4
+
+
 def test_redis_down_killed_and_restarted_empty_are_misses_then_reconnects(codec, patient):
     port = free_ports(1)[0]
     tier_ = RedisTier(f"redis://:secret-password@127.0.0.1:{port}/0", codec)

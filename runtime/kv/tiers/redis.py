@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from runtime.kv.tiers.base import Tier, TierStats
 from runtime.kv.tiers.codec import Arrays, BlockCodec, CorruptEntry
@@ -23,6 +24,10 @@ log = logging.getLogger("kvforge.tiers")
 REDIS_TIMEOUT_SECONDS = 1.0
 BACKOFF_SECONDS = (0.5, 8.0)  # first retry after a Redis failure, and the cap of the doubling
 URL_FORMAT = "redis://[:PASSWORD@]HOST:PORT/DB or rediss://..."
+# One pipeline's entries at most: a 100K-token prefix is gigabytes, and a pipeline holds its whole
+# request (puts) or reply (gets) in memory at once.
+PIECE_BYTES = 8 << 20  # measured best of 2-256 MiB on loopback (bench/tier_rate.py)
+NODE_THREADS = 8  # a cluster's primaries served at once; more primaries queue
 
 
 class Backoff:
@@ -75,6 +80,7 @@ class RedisTier(Tier):
         self.backoff = Backoff("the Redis KV tier")
         self.node_backoff: dict[str, Backoff] = {}
         self.connect_lock = threading.Lock()
+        self.threads: ThreadPoolExecutor | None = None
 
     def key(self, block_hash: bytes, tag: bytes | None = None) -> bytes:
         """The block's key; tag: its placement tag (default: the block is its own group)."""
@@ -127,42 +133,63 @@ class RedisTier(Tier):
             groups.setdefault(node.name, (node, []))[1].append(i)
         return [(name, client.get_redis_connection(node), indices) for name, (node, indices) in groups.items()]
 
-    def _pipelined(self, keys: list[bytes], add) -> list:
-        """Run add(pipe, key) for every key, one pipeline per node; a node that fails (or a key
-        whose slot moved) gives None for its keys, counted as an error, and refreshes the slot map."""
+    def _pipelined(self, keys: list[bytes], add, leading_run: bool = False) -> list:
+        """Run add(pipe, key) for every key: per node, pipelines of at most PIECE_BYTES of entries
+        one after another, the nodes of a cluster in parallel. A node that fails (or a key whose
+        slot moved) gives None for its keys, counted as an error, and refreshes the slot map.
+        leading_run: only the replies before the first None matter (a get of a chain), so a node
+        stops at a piece with a None in it (its later keys all come after it)."""
         try:
             groups = self._by_node(keys)
         except self.errors as e:
             self.backoff.failed(e)
             self.stats.count("errors")
             return [None] * len(keys)
-        results, stale = [None] * len(keys), False
-        for name, client, indices in groups:
+        results, stale = [None] * len(keys), []
+        per_piece = max(1, PIECE_BYTES // self.codec.entry_bytes)
+
+        def run(name: str, client, indices: list[int]) -> None:
             node = self.node_backoff.setdefault(name, Backoff(f"Redis Cluster node {name}")) if self.cluster \
                 else self.backoff
-            if not node.available():
-                continue
-            try:
-                pipe = client.pipeline(transaction=False)
-                for i in indices:
-                    add(pipe, keys[i])
-                replies = pipe.execute(raise_on_error=False)
-            except self.errors as e:
-                node.failed(e)
-                self.stats.count("errors")
-                stale = self.cluster
-                continue
-            node.ok()
-            self.backoff.ok()
-            for i, reply in zip(indices, replies):
-                if isinstance(reply, Exception):  # e.g. MOVED after a failover
-                    stale = self.cluster
+            for start in range(0, len(indices), per_piece):
+                if not node.available():
+                    return
+                piece = indices[start:start + per_piece]
+                try:
+                    pipe = client.pipeline(transaction=False)
+                    for i in piece:
+                        add(pipe, keys[i])
+                    replies = pipe.execute(raise_on_error=False)
+                except self.errors as e:
+                    node.failed(e)
                     self.stats.count("errors")
-                else:
-                    results[i] = reply
-        if stale:
+                    stale.append(self.cluster)
+                    return
+                node.ok()
+                self.backoff.ok()
+                for i, reply in zip(piece, replies):
+                    if isinstance(reply, Exception):  # e.g. MOVED after a failover
+                        stale.append(self.cluster)
+                        self.stats.count("errors")
+                    else:
+                        results[i] = reply
+                if leading_run and any(results[i] is None for i in piece):
+                    return
+
+        if len(groups) == 1:
+            run(*groups[0])
+        else:
+            list(self._node_threads().map(lambda group: run(*group), groups))
+        if any(stale):
             self._refresh_slots()
         return results
+
+    def _node_threads(self) -> ThreadPoolExecutor:
+        """Threads that talk to a cluster's primaries at once (each on its own connection)."""
+        with self.connect_lock:
+            if self.threads is None:
+                self.threads = ThreadPoolExecutor(NODE_THREADS, thread_name_prefix="kvforge-redis-node")
+            return self.threads
 
     def _refresh_slots(self) -> None:
         try:
@@ -178,7 +205,7 @@ class RedisTier(Tier):
             return []
         began = time.perf_counter()
         keys = [self.key(h, t) for h, t in zip(hashes, tags or hashes)]
-        values = self._pipelined(keys, lambda pipe, key: pipe.get(key))
+        values = self._pipelined(keys, lambda pipe, key: pipe.get(key), leading_run=True)
         found = []
         for h, raw in zip(hashes, values):
             if raw is None:
@@ -206,5 +233,7 @@ class RedisTier(Tier):
         return len(stored)
 
     def close(self) -> None:
+        if self.threads is not None:
+            self.threads.shutdown(wait=False)
         if self.client is not None:
             self.client.close()
