@@ -12,7 +12,6 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT
 
 VOCAB = 4096  # models/stdlib-llama's tokenizer
 ORIGINAL = 32  # original_max_position_embeddings: the generation runs past it
@@ -63,7 +62,8 @@ FAMILIES = {
                                             "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]})),
 }
 
-TEMPLATES = ROOT / "tests" / "fixtures" / "chat_templates"  # public templates, byte for byte (README.md there)
+STDLIB_LLAMA = Path(__file__).resolve().parents[1] / "models" / "stdlib-llama"  # its tokenizer
+TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"  # public templates, byte for byte (README.md there)
 # family -> the public chat template its instruct checkpoint ships, and a chat body (as the OpenAI
 # API takes it) that checkpoint is asked; every checkpoint's tokenizer puts <s> before every text.
 # (Llama 3.1's tool preamble alone outgrows these checkpoints' 256 positions: tests/test_chat_tools.py
@@ -93,11 +93,11 @@ def family_tokenizer_dir(tmp_path_factory):
     Llama 3's and Gemma's do."""
     from tokenizers import Tokenizer, processors
 
-    tokenizer = Tokenizer.from_file(str(ROOT / "models" / "stdlib-llama" / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(STDLIB_LLAMA / "tokenizer.json"))
     tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     directory = tmp_path_factory.mktemp("families-tokenizer")
     tokenizer.save(str(directory / "tokenizer.json"))
-    shutil.copy(ROOT / "models" / "stdlib-llama" / "tokenizer_config.json", directory / "tokenizer_config.json")
+    shutil.copy(STDLIB_LLAMA / "tokenizer_config.json", directory / "tokenizer_config.json")
     return directory
 
 
