@@ -4,7 +4,8 @@ Sections (issue 5): cache vs no cache, KV layouts, KV dtypes, peers, serving thr
 roofline, prefill (issue 13), weight quantization; (issue 9) prefix caching; (issue 10) KV tiers;
 (issue 22) a fleet behind the router; (issue 20) streams beside long prompts per scheduler; (issue 37) stream
 gaps while long prompts arrive, the ITL target's trade-off; (issue 21) mla;
-(issue 23) prompt-lookup speculation and the idle-thread spin policy; (issue 42) structured outputs.
+(issue 23) prompt-lookup speculation and the idle-thread spin policy; (issue 42) structured outputs;
+(issue 39) the model families: export, engine sizes, decode and quantized-weight quality per family, windowed KV.
 Writes DIR/bench.json, DIR/bench.md and PNG plots; a section
 that fails is recorded with its error, the others still run, and the exit code is 1.
 """
@@ -23,7 +24,7 @@ from bench import common, report
 from bench.common import ROOT, Artifacts, SectionError, params, say
 
 SECTIONS = ("layouts", "cache", "kv_dtypes", "peers", "roofline", "prefill", "weights", "serving", "prefix_cache",
-            "kv_tiers", "fleet", "mixed_load", "stream_gaps", "mla", "speculative", "spin", "structured")
+            "kv_tiers", "fleet", "mixed_load", "stream_gaps", "mla", "speculative", "spin", "structured", "families")
 
 
 def prepare(p, artifacts: Artifacts, sections: set[str]) -> None:

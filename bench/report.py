@@ -15,11 +15,11 @@ from bench.common import figure, section_ran, table, write_json
 
 # bench.md order; prefill also renders the peers' TTFT table (one renderer for issue 13's two sections)
 REPORTED = ("cache", "layouts", "kv_dtypes", "peers", "serving", "roofline", "weights", "prefix_cache", "kv_tiers",
-            "prefill", "fleet", "mixed_load", "stream_gaps", "mla", "speculative", "spin", "structured")
+            "prefill", "fleet", "mixed_load", "stream_gaps", "mla", "speculative", "spin", "structured", "families")
 RESULT_KEYS = {"cache": "cache_speedup"}  # the issue's name for the section's top-level key
 PLOTS = ("cache.png", "layouts.png", "serving.png", "prefix_cache.png", "kv_tiers.png", "fleet.png",
          "mixed_load.png", "stream_gaps.png", "mla.png", "speculative.png", "roofline.png", "spin.png",
-         "structured.png")
+         "structured.png", "families.png")
 
 
 def sections():

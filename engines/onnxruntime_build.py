@@ -17,8 +17,10 @@ WEIGHT_MODES = ("fp32", "int8", "int4")
 # as a fraction of the export's logit range on the same prompts, so one gate fits random and
 # trained weights. fp32 only reorders float math; quantized weights change the model on
 # purpose, so their gate only catches a broken build (measured on tiny-llama and stdlib-llama:
-# int8 1.1-1.5%, int4 7.9-12.5% of the range).
-PARITY_TOLERANCE = {"fp32": 1e-4, "int8": 0.1, "int4": 0.3}
+# int8 1.1-1.5%, int4 7.9-12.5% of the range; on the random checkpoints of tests/families.py,
+# int8 1.8-5.5%, int4 14-28%, Gemma 2 and 3 the most, and int4 33% on a random Gemma 3 of
+# bench/families.py's quick shape, hence int4's 0.5).
+PARITY_TOLERANCE = {"fp32": 1e-4, "int8": 0.1, "int4": 0.5}
 PARITY_PROMPT_LENGTHS = (9, 4)
 PARITY_DECODE_STEPS = 8
 EXTERNAL_INITIALIZER_BYTES = 1024  # an engine built from weights kept beside the graph keeps them beside its own

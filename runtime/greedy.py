@@ -91,3 +91,23 @@ def greedy_tokens(runner: Runner, prompt: list[int], max_tokens: int, stop: set[
         if len(out) < max_tokens:
             run.step()
     return out
+
+
+def followed_logprobs(runners: list[Runner], prompt: list[int], max_tokens: int) -> tuple[list[int], list[list[float]]]:
+    """The first runner's max_tokens greedy tokens after `prompt`, and every runner's log p of each
+    of them, every runner fed those same tokens: how far a variant of a model (quantized weights)
+    moves the reference's own choices, without one early difference sending the texts apart."""
+    runs = [Greedy(runner, [prompt], max_tokens) for runner in runners]
+    for run in runs:
+        run.prefill(every_position=False)
+    tokens: list[int] = []
+    logprobs: list[list[float]] = [[] for _ in runs]
+    for i in range(max_tokens):
+        tokens.append(int(runs[0].next_tokens[0]))
+        for run, out in zip(runs, logprobs):
+            shifted = run.last[0].astype(np.float64) - run.last[0].max()
+            out.append(float(shifted[tokens[-1]] - np.log(np.exp(shifted).sum())))
+        if i + 1 < max_tokens:
+            for run in runs:
+                run.step(np.array([tokens[-1]]))
+    return tokens, logprobs

@@ -125,3 +125,8 @@ def codec(fp32):
 
     manifest = Manifest.load(fp32)
     return BlockCodec(kv_block_spec(manifest), cache_namespace(manifest))
+
+
+# The families' tiny checkpoints and their exports, session-wide: tests/test_families.py and
+# tests/test_family_weights.py share them (an export takes seconds of tracing per family).
+from tests.families import family_checkpoints, family_exports, family_tokenizer_dir  # noqa: E402,F401

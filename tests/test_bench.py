@@ -17,10 +17,10 @@ from tests.conftest import run_cli
 pytestmark = pytest.mark.timeout(1800)
 
 SECTIONS = ("cache_speedup", "layouts", "kv_dtypes", "peers", "serving", "roofline", "weights", "prefix_cache",
-            "kv_tiers", "fleet", "mixed_load", "stream_gaps", "mla", "speculative", "spin", "structured")
+            "kv_tiers", "fleet", "mixed_load", "stream_gaps", "mla", "speculative", "spin", "structured", "families")
 PLOTS = ("cache.png", "layouts.png", "serving.png", "prefix_cache.png", "kv_tiers.png", "fleet.png", "mixed_load.png",
          "stream_gaps.png",
-         "mla.png", "roofline.png", "speculative.png", "spin.png", "structured.png")
+         "mla.png", "roofline.png", "speculative.png", "spin.png", "structured.png", "families.png")
 
 
 @pytest.fixture(scope="module")
@@ -404,3 +404,23 @@ def test_structured_structure(quick_run):
     (row,) = [t for t in results["targets"] if t["target"].startswith("Structured")]
     assert row["met"] is None  # 4,096 tokens: not the target's vocabulary
     assert "## Structured outputs" in (out / "bench.md").read_text()
+
+
+def test_families_structure(quick_run):
+    """Issue 39: per family an export time, engine sizes for every weight mode, decode at each context
+    for fp32 and int8, and the quantized engines' log-prob drift; the windowed KV arithmetic."""
+    out, results, _ = quick_run
+    section = results["families"]
+    shape = section["shape"]
+    assert [r["family"] for r in section["families"]] == list(shape["families"])
+    for r in section["families"]:
+        assert r["export_s"] > 0 and r["parameters"] > 0 and r["distinct_greedy_tokens"] > 1
+        assert r["engine_bytes"].keys() == {"fp32", "int8", "int4"} and min(r["engine_bytes"].values()) > 0
+        assert [d["context"] for d in r["decode_tokens_per_s"]] == list(shape["contexts"])
+        assert all(d["fp32"] > 0 and d["int8"] > 0 for d in r["decode_tokens_per_s"])
+        assert r["max_abs_delta_logp"].keys() == {"int8", "int4"} and min(r["max_abs_delta_logp"].values()) > 0
+    assert any(r["sliding_layers"] for r in section["families"])
+    for r in section["kv"]:  # a ring never holds more than every position; admission follows the bytes
+        assert r["windowed_bytes"] <= r["full_bytes"] and r["windowed_sequences"] >= r["full_sequences"] >= 1
+    assert {r["config"] for r in section["kv"]} == {"gemma3-1b", "mistral-7b"}
+    assert "## Families" in (out / "bench.md").read_text()

@@ -11,64 +11,15 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import pytest
 
 from kvforge.manifest import Manifest, ManifestError, ModelSpec
-from tests.conftest import ROOT
+from tests.families import (COMMON, EXPORT_CONTEXT, FAMILIES, INSTRUCT, NEW_TOKENS, ORIGINAL, PROMPT_TOKENS, TEMPLATES,
+                            VOCAB, greedy_reference, hf_config)
 
-VOCAB = 4096  # models/stdlib-llama's tokenizer
-ORIGINAL = 32  # original_max_position_embeddings: the generation runs past it
-PROMPT_TOKENS, NEW_TOKENS = 28, 44  # positions 0..71: prompts and generations longer than the windows
 LOGPROB_TOLERANCE = 2e-3
-EXPORT_CONTEXT = 256  # the checkpoints' max_position_embeddings: Llama 3.1's chat (121 tokens) and its answer
-COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              vocab_size=VOCAB, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-FAMILIES = {
-    # Llama 3.1's scaling with a small original length (at theta 10000 and head_dim 16 one frequency
-    # is kept, one smoothed, the rest divided by the factor); sharded, beside a consolidated.safetensors;
-    # an instruct checkpoint (INSTRUCT)
-    "llama3.1": ("Llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                             "high_freq_factor": 4.0, "original_max_position_embeddings": ORIGINAL})),
-    # Qwen2.5's YaRN (cos/sin x its mscale), biases, tied embeddings; a window that does not apply
-    # (use_sliding_window false), shorter than the generation
-    "qwen2-yarn": ("Qwen2", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                                               "original_max_position_embeddings": ORIGINAL},
-                                 tie_word_embeddings=True, sliding_window=24, use_sliding_window=False)),
-    # q/k RMSNorm per head, an explicit head_dim unlike hidden / heads, linear scaling
-    "qwen3-linear": ("Qwen3", dict(head_dim=32, rope_scaling={"rope_type": "linear", "factor": 2.0})),
-    # layer 1 applies no RoPE; untied (random tied embeddings loop on 4 tokens here; qwen2-yarn ties)
-    "smollm3": ("SmolLM3", dict(no_rope_layers=[1, 0], tie_word_embeddings=False)),
-    # sliding windows shorter than the prompt, not multiples of 16: Mistral's on every layer,
-    # Qwen2's on the layers from max_window_layers
-    "mistral-window": ("Mistral", dict(sliding_window=21)),
-    "qwen2-window": ("Qwen2", dict(sliding_window=25, use_sliding_window=True, max_window_layers=1)),
-    # attention and final softcaps that bite, a query_pre_attn_scalar unlike head_dim; layer 0 slides
-    "gemma2": ("Gemma2", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=22, attn_logit_softcapping=2.0,
-                              final_logit_softcapping=6.0)),
-    # q/k norms, local (theta 10,000) and global (1e6, linear x2) RoPE as 5.24 saves them; layer 1 slides
-    "gemma3": ("Gemma3Text", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=23,
-                                  layer_types=["full_attention", "sliding_attention"],
-                                  rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
-                                                                      "rope_theta": 1e6},
-                                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
-    # fused qkv_proj / gate_up_proj, RoPE on half of each head, a window on every layer
-    "phi3": ("Phi3", dict(partial_rotary_factor=0.5, sliding_window=26)),
-    # LongRoPE as Phi-3.5-mini's config has it (original length top level, factors in rope_scaling,
-    # the attention factor from max_position_embeddings / original): the prompt fits the original
-    # length and the generation passes it (transformers recomputes its cache there)
-    "phi3.5-longrope": ("Phi3", dict(original_max_position_embeddings=ORIGINAL, rope_scaling={
-        "rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
-        "long_factor": [1.0, 1.5, 2.5, 4.0, 7.0, 12.0, 20.0, 32.0]})),
-    # Phi-4-mini's: RoPE on three quarters of each head (6 frequencies), tied embeddings
-    "phi4-mini-longrope": ("Phi3", dict(partial_rotary_factor=0.75, tie_word_embeddings=True,
-                                        original_max_position_embeddings=ORIGINAL, rope_scaling={
-                                            "rope_type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0],
-                                            "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]})),
-}
 LONGROPE = ("phi3.5-longrope", "phi4-mini-longrope")
 LONG_PROMPT = 40  # past ORIGINAL: the long factors from the prompt on
 WINDOWED = ("mistral-window", "qwen2-window")
@@ -77,19 +28,6 @@ WINDOWED = ("mistral-window", "qwen2-window")
 # runs to position 71, past each ring (34 and 32 cells) twice.
 RING_CHUNK = 12
 RINGED = ("gemma3", "mistral-window")
-TEMPLATES = ROOT / "tests" / "fixtures" / "chat_templates"  # public templates, byte for byte (README.md there)
-# family -> the public chat template its instruct checkpoint ships, and a chat body (as the OpenAI
-# API takes it) that checkpoint is asked; every checkpoint's tokenizer puts <s> before every text.
-# (Llama 3.1's tool preamble alone outgrows these checkpoints' 256 positions: tests/test_chat_tools.py
-# renders tools.)
-INSTRUCT = {
-    "llama3.1": ("meta-llama-Llama-3.1-8B-Instruct.jinja",
-                 {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Paris?"}]}),
-    "qwen3-linear": ("Qwen-Qwen3-0.6B.jinja", {"messages": [{"role": "user", "content": "def f(x):"}],
-                                               "chat_template_kwargs": {"enable_thinking": False}}),
-    "gemma3": ("google-gemma-3-1b-it.jinja",
-               {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def f(x):"}]}),
-}
 # A chat template in Llama 3.1's manner, using every helper transformers gives templates.
 CHAT_TEMPLATE = """{{- bos_token }}
 {%- set date = strftime_now("%d %b %Y") %}
@@ -105,131 +43,6 @@ CHAT_TEMPLATE = """{{- bos_token }}
     {%- if loop.index == 5 %}{% break %}{% endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- "<|assistant|>" + ("" if thinking is undefined else "think=" + thinking | string) }}{% endif %}"""
-
-
-def hf_config(family: str):
-    import transformers
-
-    prefix, overrides = FAMILIES[family]
-    config = getattr(transformers, f"{prefix}Config")(**{**COMMON, **overrides})
-    config.architectures = [f"{prefix.removesuffix('Text')}ForCausalLM"]
-    return config
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    """models/stdlib-llama's tokenizer with a post-processor that puts <s> before every text, as
-    Llama 3's and Gemma's do."""
-    from tokenizers import Tokenizer, processors
-
-    tokenizer = Tokenizer.from_file(str(ROOT / "models" / "stdlib-llama" / "tokenizer.json"))
-    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    directory = tmp_path_factory.mktemp("families-tokenizer")
-    tokenizer.save(str(directory / "tokenizer.json"))
-    shutil.copy(ROOT / "models" / "stdlib-llama" / "tokenizer_config.json", directory / "tokenizer_config.json")
-    return directory
-
-
-class Chat(NamedTuple):
-    """An instruct checkpoint's INSTRUCT chat: its prompt as apply_chat_template(tokenize=True) makes
-    it, transformers' greedy answer up to the turn end, and that turn end (generation_config.json's)."""
-    ids: list[int]
-    answer: list[int]
-    turn_end: int
-
-
-class Checkpoint(NamedTuple):
-    directory: Path
-    prompt: list[int]
-    tokens: list[int]  # transformers' greedy tokens after the prompt
-    logprobs: list[float]
-    chat: Chat | None = None  # an instruct checkpoint's
-
-
-def transformers_chat_ids(directory: Path, body: dict) -> list[int]:
-    """apply_chat_template's prompt for an OpenAI chat body (chat_template_kwargs as its kwargs)."""
-    from transformers import AutoTokenizer
-
-    return list(AutoTokenizer.from_pretrained(directory).apply_chat_template(
-        body["messages"], tools=body.get("tools"), add_generation_prompt=True, return_dict=False,
-        **body.get("chat_template_kwargs", {})))
-
-
-def greedy_reference(model, prompt: list[int]) -> tuple[list[int], list[float]]:
-    """transformers' cached greedy generate(), NEW_TOKENS tokens whatever they are, and each one's log p."""
-    import torch
-
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True,
-                             eos_token_id=None, pad_token_id=0)
-    tokens = out.sequences[0, len(prompt):].tolist()
-    logprobs = [float(torch.log_softmax(logits[0].double(), -1)[t]) for logits, t in zip(out.logits, tokens)]
-    return tokens, logprobs
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, tokenizer_dir):
-    """family -> Checkpoint: dir, prompt, transformers' greedy tokens and their log-probs; the
-    INSTRUCT families' with their chat (make_instruct)."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
-    root = tmp_path_factory.mktemp("families-checkpoints")
-    prompt = np.random.default_rng(0).integers(3, VOCAB, PROMPT_TOKENS).tolist()
-    made = {}
-    for family in FAMILIES:
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(hf_config(family)).eval()
-        with torch.no_grad():  # logits that spread over a few units: no near-ties among greedy tokens
-            for name, p in model.named_parameters():
-                p.normal_(1.0, 0.1) if p.dim() == 1 and "norm" in name else p.normal_(0.0, 0.1)
-        directory = root / family
-        if family == "llama3.1":  # shards and their index, and Mistral-style consolidated weights beside them
-            model.save_pretrained(directory, max_shard_size="200KB")
-            assert (directory / "model.safetensors.index.json").is_file()
-            save_file({k: torch.zeros_like(v) for k, v in model.state_dict().items()},
-                      str(directory / "consolidated.safetensors"))
-        else:
-            model.save_pretrained(directory)
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(tokenizer_dir / name, directory / name)
-        made[family] = Checkpoint(directory, prompt, *greedy_reference(model, prompt),
-                                  chat=make_instruct(directory, model, *INSTRUCT[family]) if family in INSTRUCT else None)
-    return made
-
-
-def make_instruct(directory: Path, model, template: str, body: dict) -> Chat:
-    """Makes `directory` an instruct checkpoint: the public template as chat_template.jinja, and a
-    turn end in generation_config.json's eos_token_id beside the config's EOS: the first greedy
-    token of the chat's answer, from the 6th on, that is new in it."""
-    (directory / "chat_template.jinja").write_text((TEMPLATES / template).read_text())
-    ids = transformers_chat_ids(directory, body)
-    tokens = greedy_reference(model, ids)[0]
-    end = next(i for i in range(5, NEW_TOKENS) if tokens[i] not in tokens[:i])
-    assert 2 not in tokens[:end]  # the config's own EOS would end it first
-    generation = json.loads((directory / "generation_config.json").read_text())
-    (directory / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [2, tokens[end]]}))
-    return Chat(ids, tokens[:end], tokens[end])
-
-
-@pytest.fixture(scope="module")
-def family_exports(tmp_path_factory, checkpoints):
-    """family_exports(family, layout) -> export dir, made once (what `python -m export` runs)."""
-    from export.__main__ import export
-
-    root = tmp_path_factory.mktemp("families-exports")
-    made = {}
-
-    def make(family, layout="inplace", max_chunk=None):
-        if (family, layout, max_chunk) not in made:
-            out = root / f"{family}-{layout}-{max_chunk}"
-            export(str(checkpoints[family][0]), out, layout, "fp32", EXPORT_CONTEXT, max_chunk)
-            made[family, layout, max_chunk] = out
-        return made[family, layout, max_chunk]
-
-    return make
 
 
 # ---------------------------------------------------------------- the config facts
@@ -341,13 +154,13 @@ def test_gemma_config_facts():
         _spec("Gemma2", hidden_activation="relu")
 
 
-def test_windowed_checkpoints_differ_without_their_window(checkpoints, tmp_path):
+def test_windowed_checkpoints_differ_without_their_window(family_checkpoints, tmp_path):
     """The window changes what transformers generates here, so the parity tests below see it."""
     import torch
     from transformers import AutoModelForCausalLM
 
     for family in WINDOWED:
-        directory, prompt, tokens = checkpoints[family][:3]
+        directory, prompt, tokens = family_checkpoints[family][:3]
         unwindowed = shutil.copytree(directory, tmp_path / family)
         config = json.loads((unwindowed / "config.json").read_text())
         config.update(sliding_window=4096, use_sliding_window=False, layer_types=None)  # past every position
@@ -361,30 +174,22 @@ def test_windowed_checkpoints_differ_without_their_window(checkpoints, tmp_path)
 
 def runner_greedy(directory, prompt: list[int]) -> tuple[list[int], list[float]]:
     """Greedy on the export's runner alone (LLMEngine batches in place only): tokens and log p."""
-    from runtime.greedy import Greedy
+    from runtime.greedy import followed_logprobs
     from runtime.runners import open_runner
 
-    run = Greedy(open_runner(directory, threads=1), [prompt], NEW_TOKENS)
-    run.prefill(every_position=False)
-    tokens, logprobs = [], []
-    for i in range(NEW_TOKENS):
-        shifted = run.last[0].astype(np.float64) - run.last[0].max()
-        tokens.append(int(shifted.argmax()))
-        logprobs.append(float(shifted[tokens[-1]] - np.log(np.exp(shifted).sum())))
-        if i + 1 < NEW_TOKENS:
-            run.step()
+    tokens, (logprobs,) = followed_logprobs([open_runner(directory, threads=1)], prompt, NEW_TOKENS)
     return tokens, logprobs
 
 
 @pytest.mark.parametrize("layout", ["inplace", "concat"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_export_generates_what_transformers_generates(family_exports, checkpoints, family, layout):
+def test_export_generates_what_transformers_generates(family_exports, family_checkpoints, family, layout):
     """Greedy past original_max_position_embeddings, the prompt in one call, then decode: through
     LLMEngine (in place) or the runner (concat), the same tokens as transformers' generate() and
     log-probs within LOGPROB_TOLERANCE."""
     from runtime.llm_engine import LLMEngine, SamplingParams
 
-    _, prompt, tokens, logprobs = checkpoints[family][:4]
+    _, prompt, tokens, logprobs = family_checkpoints[family][:4]
     directory = family_exports(family, layout)
     if layout == "inplace":
         with LLMEngine(directory, threads=1, prefix_cache=False) as engine:
@@ -399,7 +204,7 @@ def test_export_generates_what_transformers_generates(family_exports, checkpoint
 
 
 @pytest.mark.parametrize("family", LONGROPE)
-def test_longrope_long_prompt_chunked_and_cached(family_exports, checkpoints, family):
+def test_longrope_long_prompt_chunked_and_cached(family_exports, family_checkpoints, family):
     """A prompt past the original length runs on longrope's long factors from its first chunk:
     in one call (the concat runner) and in chunks of 8 (the engine), transformers' generate()
     tokens and log-probs. The prefix cache's chain starts from the factor choice: blocks a short
@@ -409,7 +214,7 @@ def test_longrope_long_prompt_chunked_and_cached(family_exports, checkpoints, fa
 
     from runtime.llm_engine import LLMEngine, SamplingParams
 
-    directory, prompt, tokens = checkpoints[family][:3]
+    directory, prompt, tokens = family_checkpoints[family][:3]
     long_prompt = prompt + tokens[:LONG_PROMPT - PROMPT_TOKENS]  # the short prompt's 28 tokens lead
     expected, logprobs = greedy_reference(AutoModelForCausalLM.from_pretrained(directory).eval(), long_prompt)
     assert runner_greedy(family_exports(family, "concat"), long_prompt)[0] == expected
@@ -443,14 +248,14 @@ def test_longrope_verify_runs_past_the_switch(family_exports, layout):
     assert report.rows == 5 and report.passed, report
 
 
-def test_concat_windows_count_positions_across_a_shorter_rows_gap(family_exports, checkpoints):
+def test_concat_windows_count_positions_across_a_shorter_rows_gap(family_exports, family_checkpoints):
     """Concat rows step together, so a shorter prompt's row has padding columns between its prompt
     and its generated tokens: its window counts token positions (attention_mask's running count),
     not columns, and the row generates what it generates alone."""
     from runtime.greedy import Greedy
     from runtime.runners import open_runner
 
-    prompt, tokens = checkpoints["mistral-window"][1:3]
+    prompt, tokens = family_checkpoints["mistral-window"][1:3]
     directory, short = family_exports("mistral-window", "concat"), prompt[:PROMPT_TOKENS - 9]
     run = Greedy(open_runner(directory, threads=1), [prompt, short], NEW_TOKENS)
     run.prefill(every_position=False)
@@ -464,13 +269,13 @@ def test_concat_windows_count_positions_across_a_shorter_rows_gap(family_exports
 
 @pytest.mark.parametrize("layout", ["inplace", "concat"])
 @pytest.mark.parametrize("family", RINGED)
-def test_ring_cache_generates_what_transformers_generates(family_exports, checkpoints, family, layout):
+def test_ring_cache_generates_what_transformers_generates(family_exports, family_checkpoints, family, layout):
     """Sliding layers holding only a ring of window + max_chunk - 1 positions: the manifest says so
     per tensor, the prompt (longer than the window) prefills in chunks of max_chunk and generation
     runs past every ring, with transformers' greedy tokens and log-probs within LOGPROB_TOLERANCE."""
     from runtime.llm_engine import LLMEngine, SamplingParams
 
-    _, prompt, tokens, logprobs = checkpoints[family][:4]
+    _, prompt, tokens, logprobs = family_checkpoints[family][:4]
     directory = family_exports(family, layout, RING_CHUNK)
     manifest = Manifest.load(directory)
     spec = manifest.model
@@ -646,11 +451,11 @@ def test_longrope_graph_input_and_tensorrt_profile(family_exports):
     assert shapes["prompt_lengths"] == shapes["input_ids"]
 
 
-def test_shards_are_read_through_the_index(checkpoints):
+def test_shards_are_read_through_the_index(family_checkpoints):
     """The llama3.1 checkpoint's zeroed consolidated.safetensors is not read (the parity test would fail)."""
     from export.checkpoint import weight_files
 
-    directory = checkpoints["llama3.1"][0]
+    directory = family_checkpoints["llama3.1"][0]
     files = weight_files(directory)
     assert len(files) > 1 and "consolidated.safetensors" not in {f.name for f in files}
 
@@ -659,11 +464,11 @@ def test_shards_are_read_through_the_index(checkpoints):
 
 
 @pytest.mark.parametrize("family", list(INSTRUCT))
-def test_generation_config_eos_ids_stop_generation(family_exports, checkpoints, family):
+def test_generation_config_eos_ids_stop_generation(family_exports, family_checkpoints, family):
     """The export carries the public template and generation_config.json; its turn end stops the chat."""
     from runtime.llm_engine import LLMEngine, SamplingParams
 
-    directory, chat = family_exports(family), checkpoints[family].chat
+    directory, chat = family_exports(family), family_checkpoints[family].chat
     manifest = Manifest.load(directory)
     assert manifest.tokenizer["eos_token_ids"] == [2, chat.turn_end]
     assert {"generation_config.json", "chat_template.jinja"} <= set(manifest.tokenizer["files"])
@@ -680,12 +485,12 @@ TOOLS = [{"type": "function", "function": {"name": "z_last", "parameters": {"b":
 
 
 @pytest.fixture(scope="module")
-def helper_template_dir(tokenizer_dir, tmp_path_factory):
+def helper_template_dir(family_tokenizer_dir, tmp_path_factory):
     """The families' tokenizer with CHAT_TEMPLATE as chat_template.jinja, over the template
     tokenizer_config.json holds."""
     directory = tmp_path_factory.mktemp("helper-template")
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, directory / name)
+        shutil.copy(family_tokenizer_dir / name, directory / name)
     (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return directory
 
@@ -714,7 +519,7 @@ def test_chat_template_renders_as_transformers_with_hf_helpers(helper_template_d
 
 
 @pytest.mark.parametrize("family", list(INSTRUCT))
-def test_chat_prompt_ids_are_apply_chat_templates(family_exports, checkpoints, family, tmp_path):
+def test_chat_prompt_ids_are_apply_chat_templates(family_exports, family_checkpoints, family, tmp_path):
     """The ids the front sends the engine for a chat, and those the router hashes, are
     apply_chat_template(tokenize=True)'s, though the tokenizer's post-processor puts <s> before
     every text: one BOS where the template writes it (Llama 3.1, Gemma 3), none where it does not
@@ -724,7 +529,7 @@ def test_chat_prompt_ids_are_apply_chat_templates(family_exports, checkpoints, f
     from frontend.openai_api import ChatRequest, render_chat
     from frontend.router.prompts import Prompts
 
-    directory, chat = family_exports(family), checkpoints[family].chat
+    directory, chat = family_exports(family), family_checkpoints[family].chat
     body = {"model": "llm", **INSTRUCT[family][1]}
     write_repository(directory, tmp_path)
     prompts = Prompts(tmp_path)
@@ -739,7 +544,7 @@ def test_chat_prompt_ids_are_apply_chat_templates(family_exports, checkpoints, f
 
 
 @pytest.mark.parametrize("family", list(INSTRUCT))
-def test_served_chat_with_the_public_template(family_exports, checkpoints, family, tmp_path):
+def test_served_chat_with_the_public_template(family_exports, family_checkpoints, family, tmp_path):
     """Through Triton and the front, with the official client: the chat's prompt is the one
     apply_chat_template makes (its token count), and the answer transformers' greedy one, ended
     by generation_config.json's turn end."""
@@ -749,7 +554,7 @@ def test_served_chat_with_the_public_template(family_exports, checkpoints, famil
     from launcher.harness import TritonServer, free_ports
     from runtime.tokenizer import Tokenizer
 
-    directory, chat = family_exports(family), checkpoints[family].chat
+    directory, chat = family_exports(family), family_checkpoints[family].chat
     body = INSTRUCT[family][1]
     write_repository(directory, tmp_path, slots=2)
     http, grpc, metrics, openai_port = free_ports(4)
