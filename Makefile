@@ -61,7 +61,7 @@ ifneq ($(KV_REDIS_URL),)
 export KVFORGE_KV_REDIS_URL := $(KV_REDIS_URL)
 endif
 
-.PHONY: setup export verify build-engines repository serve run fleet test bench soak redis redis-cluster clean
+.PHONY: setup export verify build-engines repository serve run fleet test test-bench bench soak redis redis-cluster clean
 
 setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -138,6 +138,10 @@ redis-cluster: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# tests/test_bench.py with the slow bench sections `make test` skips (fleet, mixed_load, mla)
+test-bench: setup
+	KVFORGE_BENCH_ALL=1 $(PY) -m pytest -q tests/test_bench.py
 
 bench: setup
 	$(VENV)/bin/pip install --quiet -e '.[peers,test,bench,cpu-peers]'
