@@ -6,7 +6,8 @@
 Every choice is one streamed request to the `llm` model (`n` choices are n requests, seeds
 seed, seed+1, ...), so there is no second engine. Chat messages become a prompt through the
 checkpoint's chat template (frontend/chat_template.py), sent as the token ids transformers'
-apply_chat_template makes of it; the tool calls in a chat's answer are read out of it
+apply_chat_template makes of it; a thinking model's thought is split off the answer as
+reasoning_content (frontend/reasoning.py), and the tool calls in the answer are read out of it
 (frontend/tool_calls.py), and tool_choice "required" or a named function sends the grammar that
 makes the answer calls. Request bodies are validated against
 the fields below; a field kvforge does not know or cannot honour gets an OpenAI-shaped 400
