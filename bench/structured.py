@@ -235,8 +235,9 @@ def run(params: Params, artifacts: Artifacts) -> dict:
     # on the big model's external weights file
     engine_dir = artifacts.export(str(checkpoint), "inplace", "fp32")
     # no prefix cache: every round prefills, as in the first turn of a conversation
-    with LLMEngine(engine_dir, threads=params.threads, prefix_cache=False) as engine, \
-            LLMEngine(engine_dir, threads=params.threads, prefix_cache=False, jump_forward=True) as forcing:
+    # `engine` decodes step by step (the mask's own cost; jump-forward's baseline), `forcing` as served
+    with LLMEngine(engine_dir, threads=params.threads, prefix_cache=False, jump_forward=False) as engine, \
+            LLMEngine(engine_dir, threads=params.threads, prefix_cache=False) as forcing:
         vocab = engine.limits.vocab_size
         say(f"structured: decode steps with and without a JSON schema on {checkpoint.name} ({vocab} tokens)")
         steps = decode_steps(engine, s)

@@ -16,3 +16,6 @@ class FrontConfig:
     model: str = "llm"
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     api_key: str | None = None  # bearer key for /v1; the launcher requires one when binding beyond loopback
+    # a thinking model's <think> block goes to reasoning_content (frontend/reasoning.py; on where the
+    # chat template writes <think>); False: it stays in content
+    reasoning_parser: bool = True

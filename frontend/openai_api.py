@@ -6,7 +6,8 @@
 Every choice is one streamed request to the `llm` model (`n` choices are n requests, seeds
 seed, seed+1, ...), so there is no second engine. Chat messages become a prompt through the
 checkpoint's chat template (frontend/chat_template.py), sent as the token ids transformers'
-apply_chat_template makes of it; the tool calls in a chat's answer are read out of it
+apply_chat_template makes of it; a thinking model's thought is split off the answer as
+reasoning_content (frontend/reasoning.py), and the tool calls in the answer are read out of it
 (frontend/tool_calls.py), and tool_choice "required" or a named function sends the grammar that
 makes the answer calls. Request bodies are validated against
 the fields below; a field kvforge does not know or cannot honour gets an OpenAI-shaped 400
@@ -43,6 +44,7 @@ from engines.repository import engine_dir_of
 from frontend.chat_template import ChatTemplate, ChatTemplateError
 from frontend.config import RETRY_AFTER_SECONDS, FrontConfig
 from frontend.json_text import lone_surrogate
+from frontend.reasoning import AFTER, Thoughts, split, start_of, teaches_thinking
 from frontend.tool_calls import (NAME_PATTERN, ToolCalls, ToolFormat, arguments_schema, format_of, message_of,
                                  strict_schema)
 from frontend.tool_calls import grammar as tool_grammar
@@ -288,11 +290,13 @@ def tensor(name: str, value):
     return infer_input
 
 
-def guide_of(body: Sampling, tool_format: ToolFormat | None = None) -> Guide | None:
+def guide_of(body: Sampling, tool_format: ToolFormat | None = None, thinks: bool = False) -> Guide | None:
     """The guide for llm's guided_decoding inputs of whichever field constrains the output: chat's
     tool_choice (required or a named function: the calls' grammar in the model's tool_format) or
     response_format, vLLM's guided_* or structured_outputs; a 400 naming the field when two do,
-    when a response_format is malformed, or when the guide does not compile."""
+    when a response_format is malformed, when the guide does not compile, or when the answer may
+    begin with a thought (thinks: the guide would hold from its first token, where the model
+    writes <think>)."""
     given = []  # (field, guide kind, its text or JSON value)
     tools = tool_guide(body, tool_format) if isinstance(body, ChatRequest) and tool_format is not None else None
     if tools is not None:
@@ -319,6 +323,10 @@ def guide_of(body: Sampling, tool_format: ToolFormat | None = None) -> Guide | N
     if not given:
         return None
     name, kind, value = given[0]
+    if thinks:
+        raise APIError(400, f"{name} constrains the whole answer, but this model thinks first (<think>...</think>, "
+                            "which the constraint would forbid); send chat_template_kwargs {\"enable_thinking\": "
+                            "false} where the template takes it, or serve with --reasoning-parser off", param=name)
     guide = Guide.of_value(kind, value)
     problem = guide_error(guide)
     if problem:
@@ -398,6 +406,7 @@ class OpenAIServer:
         self.tokenizer = Tokenizer(engine_dir, self.manifest)
         self.chat_template = ChatTemplate(engine_dir)
         self.tool_format = format_of(self.chat_template.source)
+        self.reasoning = config.reasoning_parser and teaches_thinking(self.chat_template.source)
         self._client: grpcclient.InferenceServerClient | None = None
 
     @property
@@ -457,11 +466,19 @@ class OpenAIServer:
         return max(1, self.manifest.max_seq_len - length)
 
     def chat_prompt(self, body: ChatRequest) -> list[int]:
-        """The token ids of a chat's prompt, as apply_chat_template(tokenize=True) makes them: the
+        return self.chat_ids(render_chat(self.chat_template, body))
+
+    def chat_ids(self, rendered: str) -> list[int]:
+        """The token ids of a rendered chat, as apply_chat_template(tokenize=True) makes them: the
         template writes every special token it wants (Llama 3's and Gemma's their BOS, ChatML's
         none) and the tokenizer adds none, so a BOS post-processor neither doubles the template's
         nor puts one before a template that has none."""
-        return self.tokenizer.encode(render_chat(self.chat_template, body), add_special_tokens=False)
+        return self.tokenizer.encode(rendered, add_special_tokens=False)
+
+    def thinking(self, rendered: str) -> str | None:
+        """Where the answer to a rendered chat begins, inside, after or before a thought
+        (frontend/reasoning.py); None: the answer is content (no reasoning parser)."""
+        return start_of(rendered) if self.reasoning else None
 
 
 def render_chat(template: ChatTemplate, body: ChatRequest) -> str:
@@ -521,11 +538,13 @@ class Completion:
     """One /v1 request in flight: its choices' llm streams fanned into one queue."""
 
     def __init__(self, server: OpenAIServer, kind: str, body: Sampling, choices: list[Choice], logprobs: int | None,
-                 tool_reader: Callable[[], ToolCalls] | None = None):
+                 tool_reader: Callable[[], ToolCalls] | None = None, thinking: str | None = None):
         self.server, self.kind, self.body, self.choices = server, kind, body, choices
         self.logprobs = logprobs  # None: no log-probs; else how many most likely tokens come with each chosen one
         self.tool_reader = tool_reader  # chat with tools: each choice's answer is read for calls
         self.streamed_calls: dict[int, ToolCalls] = {}  # a streaming choice's reader
+        self.thinking = thinking  # chat of a thinking model: where each answer begins (frontend/reasoning.py)
+        self.streamed_thoughts: dict[int, Thoughts] = {}
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -610,9 +629,17 @@ class Completion:
                 "finish_reason": finish_reason}
         if self.kind != "chat":
             body["text"] = text
-        elif self.tool_reader is None:
-            body["delta" if chunk else "message"] = {"role": "assistant", "content": text}
-        else:
+            return body
+        thought = None  # the thought's text (streamed: its new text), before the content
+        if self.thinking is not None:
+            if chunk:
+                thoughts = self.streamed_thoughts.setdefault(choice.index, Thoughts(self.thinking))
+                thought, text = thoughts.feed(text, finished=finish_reason is not None)
+                thought = thought or None
+            else:
+                thought, text = split(self.thinking, text)
+        message = {"role": "assistant", "content": text}
+        if self.tool_reader is not None:  # the calls are read out of the content, after any thought
             if chunk:
                 reader = self.streamed_calls.setdefault(choice.index, self.tool_reader())
                 content, calls = reader.feed(text, finished=finish_reason is not None)
@@ -620,10 +647,12 @@ class Completion:
             else:
                 reader = self.tool_reader()
                 content, calls = message_of(reader, text)
-            body["delta" if chunk else "message"] = {"role": "assistant", "content": content,
-                                                     **({"tool_calls": calls} if calls else {})}
+            message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
             if reader.called and finish_reason == "stop":
                 body["finish_reason"] = "tool_calls"
+        if thought is not None:  # as vLLM: no answer after the thought is a null content
+            message = {**message, "content": message["content"] or None, "reasoning_content": thought}
+        body["delta" if chunk else "message"] = message
         return body
 
     def final(self) -> dict:
@@ -742,17 +771,20 @@ def create_openai_app(config: FrontConfig) -> FastAPI:
         server.check_token_ids(body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
 
-        def choices() -> list[Choice]:
-            prompt = server.chat_prompt(body)
-            guide = guide_of(body, server.tool_format)
+        def choices() -> tuple[list[Choice], str | None]:
+            rendered = render_chat(server.chat_template, body)
+            thinking = server.thinking(rendered)
+            guide = guide_of(body, server.tool_format, thinks=thinking not in (None, AFTER))
+            prompt = server.chat_ids(rendered)
             max_tokens = server.max_tokens(prompt, body.max_completion_tokens or body.max_tokens)
             return [Choice(j, 0, llm_inputs(prompt, body, guide, max_tokens, seed_of(body, j), False, logprobs))
-                    for j in range(body.n)]
+                    for j in range(body.n)], thinking
 
         # rendering the template, checking a guide and tokenizing are off the event loop, which relays every
         # other stream's tokens
-        return await Completion(server, "chat", body, await asyncio.to_thread(choices), logprobs,
-                                server.tool_reader(body)).respond(request)
+        made, thinking = await asyncio.to_thread(choices)
+        return await Completion(server, "chat", body, made, logprobs, server.tool_reader(body),
+                                thinking).respond(request)
 
     return app
 

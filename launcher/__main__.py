@@ -65,6 +65,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--control-key-file", type=Path, default=DEFAULT_KEY_FILE,
                         help=f"used when ${env.CONTROL_KEY} is unset (default: %(default)s)")
     parser.add_argument("--max-body-bytes", type=int, default=None, help="largest request body the front accepts")
+    parser.add_argument("--reasoning-parser", choices=("auto", "off"), default="auto",
+                        help="the OpenAI API's chat answers: auto returns a thinking model's <think> block as "
+                             "reasoning_content where the chat template writes <think>; off leaves it in content")
     parser.add_argument("--drain-seconds", type=float, default=DRAIN_SECONDS,
                         help="on SIGTERM, how long in-flight requests may take to finish")
     engine_config.add_flags(parser, engine_config.LAUNCHER)  # every engine setting the llm model reads
@@ -181,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         supervisor = Supervisor(triton, args.ready_timeout, log_dir)
         config = FrontConfig(triton_http=f"127.0.0.1:{triton.http_port}", triton_grpc=f"127.0.0.1:{args.grpc_port}",
                              model_repository=repo, max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
-                             api_key=os.environ.get(env.OPENAI_API_KEY) or None)
+                             api_key=os.environ.get(env.OPENAI_API_KEY) or None,
+                             reasoning_parser=args.reasoning_parser == "auto")
         try:
             supervisor.start()
             print(f"[kvforge] serving: HTTP {args.host}:{args.http_port} (front), gRPC {args.host}:{args.grpc_port}, "

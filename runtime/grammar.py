@@ -157,10 +157,17 @@ class Grammars:
             return Constraint(matcher.deep_copy(), tokenizer, end_ids, self.vocab_size)
 
     def _load_tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's tokenizer without the added tokens that are text (Qwen3's <think>,
+        <tool_call>): llguidance reads every added token as special, yet spells a grammar's
+        literal "<tool_call>" with that token, then fails to consume it ("forced bytes: got '<'").
+        Without them a literal is written out of ordinary tokens (the same text), and their ids,
+        unknown to llguidance, are never allowed."""
         import tokenizers
 
         size = tokenizers.Tokenizer.from_file(str(self.tokenizer_json)).get_vocab_size(with_added_tokens=True)
-        return llguidance.LLTokenizer(str(self.tokenizer_json), n_vocab=max(size, self.vocab_size),
+        spec = json.loads(self.tokenizer_json.read_text(encoding="utf-8"))
+        spec["added_tokens"] = [t for t in spec.get("added_tokens") or [] if t.get("special")]
+        return llguidance.LLTokenizer(json.dumps(spec), n_vocab=max(size, self.vocab_size),
                                       eos_token=list(self.eos_token_ids) or None)
 
 

@@ -67,7 +67,7 @@ TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"  # public temp
 # family -> the public chat template its instruct checkpoint ships, and a chat body (as the OpenAI
 # API takes it) that checkpoint is asked; every checkpoint's tokenizer puts <s> before every text.
 # (Llama 3.1's tool preamble alone outgrows these checkpoints' 256 positions: tests/test_chat_tools.py
-# renders tools.)
+# renders tools, tests/test_thinking_models.py serves them on 2,048-position checkpoints.)
 INSTRUCT = {
     "llama3.1": ("meta-llama-Llama-3.1-8B-Instruct.jinja",
                  {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Paris?"}]}),

@@ -118,7 +118,7 @@ def test_every_launcher_setting_round_trips_through_flags_and_environment(tmp_pa
     values = dict(kv_host_bytes=1 << 20, kv_disk_dir=tmp_path, kv_disk_bytes=1 << 30, kv_redis_url="redis://h:1/0",
                   kv_redis_ttl=60, queue_timeout=2.5, request_timeout=30.0, itl_target_ms=40.0, scheduler="alternate",
                   threads=3, spin_us=0, disaggregate=True, prefill_threads=1, pd_threshold=100,
-                  pd_transport="redis", speculative="ngram", speculative_tokens=6, jump_forward=True,
+                  pd_transport="redis", speculative="ngram", speculative_tokens=6, jump_forward=False,
                   attention_scores_bytes=64 << 20)
     # prefix_cache stays on (--disaggregate needs it); the other two targets exclude itl_target_ms (below)
     others = {"prefix_cache", "itl_target_steps", "prefill_budget"}

@@ -173,43 +173,48 @@ def same(got, expected) -> None:
                                                            expected.finish_reason), (got, expected)
 
 
-def test_jump_forward_gives_the_same_output_in_fewer_steps(engine, fp32):
-    """Forced runs (keys, quotes, separators) taken at once and fed as chunks: greedy and seeded
-    output, alone and beside an unguided row, is step-by-step decoding's, and alone it saves one
-    step per forced token; max_tokens and a stop string cut inside a forced run where they did."""
+def test_jump_forward_gives_the_same_output_in_fewer_steps(fp32, engine):
+    """Forced runs (keys, quotes, separators) taken at once and fed as chunks (the default):
+    greedy and seeded output, alone and beside an unguided row, is step-by-step decoding's, and
+    alone it saves one step per forced token; max_tokens and a stop string cut inside a forced run
+    where they did."""
     schema = guided("json_schema", json.dumps(FIXED_KEYS))
-    with LLMEngine(fp32, jump_forward=True) as forcing:
-        before = engine.stats()["steps"], forcing.stats()["steps"]
-        expected, got = (e.generate([FORCED_PROMPT], schema)[0] for e in (engine, forcing))
-        stats = forcing.stats()
+    def since(before: dict) -> dict:  # the module's engine counted earlier tests' requests too
+        now = engine.stats()
+        return {key: now[key] - before[key] for key in ("steps", "forced_tokens", "prompt_tokens")}
+
+    with LLMEngine(fp32, jump_forward=False) as stepwise:
+        before = stepwise.stats()["steps"], engine.stats()
+        expected, got = (e.generate([FORCED_PROMPT], schema)[0] for e in (stepwise, engine))
+        stats = since(before[1])
         same(got, expected)
         assert got.finish_reason == "stop"
         jsonschema.validate(json.loads(got.text), FIXED_KEYS)
         assert stats["forced_tokens"] > 0
-        assert (engine.stats()["steps"] - before[0]) - (stats["steps"] - before[1]) == stats["forced_tokens"]
+        assert (stepwise.stats()["steps"] - before[0]) - stats["steps"] == stats["forced_tokens"]
         # the forced tokens that begin the output go with the prompt's chunk and are not counted as prompt
-        assert stats["prompt_tokens"] == len(forcing.tokenizer.encode(FORCED_PROMPT))
+        assert stats["prompt_tokens"] == len(engine.tokenizer.encode(FORCED_PROMPT))
 
         mixed = [SamplingParams(max_tokens=24), schema, guided("json_schema", json.dumps(FIXED_KEYS),
                                                                temperature=1.0, seed=3), SamplingParams(max_tokens=24)]
-        for got, expected in zip(forcing.generate([FORCED_PROMPT] * 4, mixed), engine.generate([FORCED_PROMPT] * 4,
+        for got, expected in zip(engine.generate([FORCED_PROMPT] * 4, mixed), stepwise.generate([FORCED_PROMPT] * 4,
                                                                                                 mixed)):
             same(got, expected)
-        assert forcing.stats()["forced_tokens"] > 2 * stats["forced_tokens"]  # both guided rows jumped
+        assert since(before[1])["forced_tokens"] > 2 * stats["forced_tokens"]  # both guided rows jumped
 
         # cut at every length within the first forced run, and by a stop string inside a key
         for params in [*(dataclasses.replace(schema, max_tokens=n) for n in range(1, 8)),
                        dataclasses.replace(schema, stop=("category",))]:
-            expected, got = (e.generate([FORCED_PROMPT], params)[0] for e in (engine, forcing))
+            expected, got = (e.generate([FORCED_PROMPT], params)[0] for e in (stepwise, engine))
             same(got, expected)
             assert len(got.token_ids) <= params.max_tokens
         assert got.finish_reason == "stop" and got.text.endswith('"classification_')
         # a request asking for log-probs decodes step by step: its forced tokens' log-probs are the model's
-        counted = forcing.stats()["forced_tokens"]
+        counted = engine.stats()["forced_tokens"]
         expected, got = (e.generate([FORCED_PROMPT], dataclasses.replace(schema, logprobs=True))[0]
-                         for e in (engine, forcing))
+                         for e in (stepwise, engine))
         same(got, expected)
-        assert got.logprobs == expected.logprobs and forcing.stats()["forced_tokens"] == counted
+        assert got.logprobs == expected.logprobs and engine.stats()["forced_tokens"] == counted
 
 
 def test_speculation_gives_a_guided_request_the_same_text(fp32):
@@ -218,16 +223,16 @@ def test_speculation_gives_a_guided_request_the_same_text(fp32):
     schema = {"type": "array", "items": {"enum": ["alpha", "beta"]}, "minItems": 8, "maxItems": 8}
     prompt = '["alpha", "beta", "gamma", "alpha", "beta", "gamma"] ["alpha", "beta", "gamma", "alpha"] '
     params = guided("json_schema", json.dumps(schema))
-    with LLMEngine(fp32) as plain:
+    with LLMEngine(fp32, jump_forward=False) as plain:
         expected = plain.generate([prompt], params)[0]
-    with LLMEngine(fp32, speculation=Speculation()) as engine:
+    with LLMEngine(fp32, speculation=Speculation(), jump_forward=False) as engine:
         got = engine.generate([prompt], params)[0]
         stats = engine.stats()
     assert expected.finish_reason == "stop" and len(json.loads(expected.text)) == 8
     assert got.token_ids == expected.token_ids and got.text == expected.text
     assert stats["spec_draft_tokens"] > 0 and stats["spec_accepted_tokens"] > 0  # speculation did run
-    # with jump-forward too: a row drafts only in steps without a forced chunk
-    with LLMEngine(fp32, speculation=Speculation(), jump_forward=True) as engine:
+    # with jump-forward too (the default): a row drafts only in steps without a forced chunk
+    with LLMEngine(fp32, speculation=Speculation()) as engine:
         same(engine.generate([prompt], params)[0], expected)
         assert engine.stats()["forced_tokens"] > 0
 
