@@ -74,7 +74,7 @@ export: setup
 	$(PY) -m export --model $(MODEL) --out $(EXPORT_DIR) --kv-layout $(KV_LAYOUT) --kv-dtype $(KV_DTYPE) --max-seq-len $(MAX_SEQ_LEN)
 
 # an export is redone when the exporter or the manifest contract changes (a stale one is refused)
-$(EXPORT_DIR)/manifest.json: kvforge/manifest.py $(wildcard export/*.py) | setup
+$(EXPORT_DIR)/manifest.json: kvforge/manifest.py $(wildcard export/*.py export/model/*.py) | setup
 	$(MAKE) export
 
 verify: $(EXPORT_DIR)/manifest.json

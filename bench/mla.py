@@ -4,8 +4,8 @@
   the engines themselves (runner.kv_bytes_allocated, KVManager.can_admit) for a model with
   DeepSeek-V3's attention dims and for MHA / GQA Llamas of the same hidden size;
 - prefill: one chunk of W tokens onto a cache holding P, absorbed vs decompressed (the two paths
-  of export.model.mla_attention, each exported alone) vs the shipped graph (its If picks by
-  export.model.decompresses at the chunk's width and key span P + W), at the widths 16..1024;
+  of export.model.mla.mla_attention, each exported alone) vs the shipped graph (its If picks by
+  export.model.mla.decompresses at the chunk's width and key span P + W), at the widths 16..1024;
 - decode: tokens/s at 512 / 2K / 4K context, both paths;
 - quality: held-out perplexity and greedy agreement of the fp16 and int8 latent against fp32 on a
   small MLA model trained like the default model (export.train --architecture mla; random

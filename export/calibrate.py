@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from export.model import CausalLM
+from export.model import CausalLM, build_model
 from export.presets import stdlib_corpus
 from kvforge.manifest import KV_DTYPES
 
@@ -37,7 +37,7 @@ def calibration_ids(checkpoint: Path, tokens: int = CALIBRATION_TOKENS) -> torch
 def calibrate(model: CausalLM, ids: torch.Tensor) -> dict:
     """Set every layer's k_scale/v_scale from one fp32 pass over ids; returns the provenance
     recorded in the manifest."""
-    reference = CausalLM(model.spec, "concat", KV_DTYPES["fp32"])
+    reference = build_model(model.spec, "concat", KV_DTYPES["fp32"])
     reference.load_state_dict(model.state_dict())
     spec, length = model.spec, ids.shape[1]
     empty = [torch.zeros(1, spec.num_kv_heads, 0, spec.head_dim)] * (2 * spec.num_layers)

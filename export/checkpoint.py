@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from kvforge.manifest import GEMMA_LAYER_TYPES, KVDType, ManifestError, ModelSpec
-from export.model import CausalLM, rope_rows_to_halves
+from kvforge.manifest import KVDType, ManifestError, ModelSpec
+from export.model import CausalLM, build_model
 
 # Copied into the export (and on into engines): the tokenizer, the chat template (transformers
 # >= 4.43 saves it as chat_template.jinja, not in tokenizer_config.json) and generation_config.json.
@@ -68,10 +67,11 @@ def fingerprint(checkpoint: Path) -> str:
 
 
 def load_model(checkpoint: Path, layout: str, kv: KVDType) -> tuple[ModelSpec, CausalLM]:
-    spec = ModelSpec.from_hf_config(read_config(checkpoint))
-    model = CausalLM(spec, layout, kv)
+    config = read_config(checkpoint)
+    spec = ModelSpec.from_hf_config(config)
+    model = build_model(spec, layout, kv)
     expected = {k for k in model.state_dict() if not (spec.tie_word_embeddings and k == "lm_head.weight")}
-    fused = fused_weights(spec)
+    fused = model.fused_weights()
     state: dict[str, torch.Tensor] = {}
     for path in weight_files(checkpoint):
         with safe_open(str(path), framework="pt") as f:  # one tensor at a time: MTP layers and the like stay unread
@@ -83,69 +83,9 @@ def load_model(checkpoint: Path, layout: str, kv: KVDType) -> tuple[ModelSpec, C
     missing = sorted(expected - state.keys())
     if missing:
         raise ManifestError(f"{checkpoint} lacks weights the architecture needs, e.g. {missing[:3]}")
-    if spec.rope_interleave == "pairs-to-halves":
-        permute_rope_rows(spec, state)
-    if spec.architecture == "MiniCPM3ForCausalLM":
-        fold_minicpm3_scales(read_config(checkpoint), spec, state)
-    if spec.architecture in GEMMA_LAYER_TYPES:  # Gemma norms scale by (1 + weight): one RMSNormalization
-        for key in [k for k in state if k.endswith("norm.weight")]:
-            state[key] = 1.0 + state[key]
+    model.adapt_weights(state, config)  # the family's: DeepSeek-V3's rotary rows, MiniCPM3's scales, Gemma's norms
     model.load_state_dict(state, strict=False)
     return spec, model.eval()
-
-
-def fused_weights(spec: ModelSpec) -> dict[str, list[tuple[str, int]]]:
-    """Phi-3's fused projections -> the modules' own weights and their row counts: qkv_proj holds
-    q, k, v and gate_up_proj gate, up, stacked by rows (split at load; the export folds them back
-    into one MatMul each, as for every family)."""
-    if spec.architecture != "Phi3ForCausalLM":
-        return {}
-    q, kv, ff = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.intermediate_size
-    fused = {}
-    for i in range(spec.num_layers):
-        prefix = f"model.layers.{i}."
-        fused[prefix + "self_attn.qkv_proj.weight"] = [(prefix + f"self_attn.{name}_proj.weight", rows)
-                                                       for name, rows in (("q", q), ("k", kv), ("v", kv))]
-        fused[prefix + "mlp.gate_up_proj.weight"] = [(prefix + "mlp.gate_proj.weight", ff),
-                                                     (prefix + "mlp.up_proj.weight", ff)]
-    return fused
-
-
-def permute_rope_rows(spec: ModelSpec, state: dict[str, torch.Tensor]) -> None:
-    """DeepSeek-V3 rope_interleave: reorder the rows producing q_pe and k_pe so a half-split
-    RotaryEmbedding computes what apply_rotary_pos_emb_interleave computes (export.model)."""
-    dr, qk = spec.qk_rope_head_dim, spec.qk_head_dim
-    for i in range(spec.num_layers):
-        prefix = f"model.layers.{i}.self_attn."
-        for name, heads, width in (("q_proj.weight", spec.num_heads, qk), ("q_b_proj.weight", spec.num_heads, qk),
-                                   ("kv_a_proj_with_mqa.weight", 1, spec.kv_lora_rank + dr),
-                                   ("kv_a_proj_with_mqa.bias", 1, spec.kv_lora_rank + dr)):
-            if prefix + name in state:
-                state[prefix + name] = rope_rows_to_halves(state[prefix + name], heads, width, dr)
-
-
-# MiniCPM3Config's defaults (transformers), for a config.json that leaves them out
-MINICPM3_DEFAULTS = {"scale_emb": 12.0, "scale_depth": 1.4, "dim_model_base": 256}
-
-
-def fold_minicpm3_scales(cfg: dict, spec: ModelSpec, state: dict[str, torch.Tensor]) -> None:
-    """MiniCPM3 multiplies the embeddings by scale_emb, each residual branch (attention, MLP) by
-    scale_depth / sqrt(layers) and divides the final hidden state by hidden_size / dim_model_base
-    before lm_head; folded into weights here (o_proj, down_proj, the final norm; the embedding,
-    and for tied embeddings the final norm once more, since lm_head then reads the scaled
-    embedding), the graph is DeepSeek's. A null scale_depth / dim_model_base means no scaling."""
-    value = {k: cfg.get(k, default) for k, default in MINICPM3_DEFAULTS.items()}
-    layers = spec.num_layers
-    residual = (value["scale_depth"] if value["scale_depth"] is not None else math.sqrt(layers)) / math.sqrt(layers)
-    logits_scaling = spec.hidden_size / (value["dim_model_base"] or spec.hidden_size)
-    state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"] * value["scale_emb"]
-    norm_scale = 1.0 / logits_scaling / (value["scale_emb"] if spec.tie_word_embeddings else 1.0)
-    state["model.norm.weight"] = state["model.norm.weight"] * norm_scale
-    for i in range(layers):
-        for name in ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight"):
-            key = f"model.layers.{i}.{name}"
-            if key in state:
-                state[key] = state[key] * residual
 
 
 def tokenizer_info(checkpoint: Path) -> dict:

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kvforge.cli import atomic_directory
 from kvforge.manifest import KV_DTYPES, ModelSpec
-from export.model import CausalLM
+from export.model import build_model
 
 PRESETS = {
     # GQA, ~3.4M parameters: fast enough for every test.
@@ -96,7 +96,7 @@ def write_tokenizer_config(directory: Path) -> None:
 
 def random_weights(spec: ModelSpec, std: float) -> dict[str, torch.Tensor]:
     torch.manual_seed(SEED)
-    model = CausalLM(spec, "concat", KV_DTYPES["fp32"])
+    model = build_model(spec, "concat", KV_DTYPES["fp32"])
     for name, p in model.named_parameters():
         if "norm" not in name:
             torch.nn.init.normal_(p, std=std) if p.dim() > 1 else torch.nn.init.zeros_(p)

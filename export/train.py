@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from export.model import CausalLM
+from export.model import CausalLM, build_model
 from export.presets import PRESETS, hf_config, random_weights, stdlib_corpus, train_tokenizer, write_tokenizer
 from kvforge.cli import atomic_directory
 from kvforge.manifest import KV_DTYPES, ModelSpec
@@ -131,7 +131,7 @@ def train(out: Path, steps: int | None = None, architecture: str = "llama") -> d
     print(f"[train] {len(train_texts)} files / {len(train_ids)} tokens to train on, "
           f"{len(held_texts)} files / {len(held_ids)} tokens held out", file=sys.stderr, flush=True)
 
-    model = CausalLM(spec, "concat", KV_DTYPES["fp32"])
+    model = build_model(spec, "concat", KV_DTYPES["fp32"])
     model.load_state_dict(random_weights(spec, config["initializer_range"]))
     model.train()
     decay = [p for n, p in model.named_parameters() if p.dim() > 1]

@@ -39,7 +39,7 @@ REFUSED_ARCHITECTURES = {
     "text decoder) is not exported: its text part (text_config, the language_model.* weights) is not read yet; "
     "Gemma3ForCausalLM checkpoints (Gemma 3 270M/1B, text only) export",
 }
-# RoPE scalings the exporter computes (export.model.rope_frequencies, transformers 5.24's
+# RoPE scalings the exporter computes (export.model.rope.rope_frequencies, transformers 5.24's
 # modeling_rope_utils), and the config keys each reads besides rope_theta.
 ROPE_SCALINGS = {
     "linear": ("factor",),

@@ -134,6 +134,14 @@ def test_later_families_stay_refused():
         ModelSpec.from_hf_config({**COMMON, "architectures": ["Gemma3ForConditionalGeneration"]})
 
 
+def test_every_supported_architecture_has_its_family_model():
+    """export.model.FAMILIES names the model class of every architecture the manifest accepts."""
+    from export.model import FAMILIES
+    from kvforge.manifest import SUPPORTED_ARCHITECTURES
+
+    assert sorted(FAMILIES) == sorted(SUPPORTED_ARCHITECTURES)
+
+
 def test_gemma_config_facts():
     """Gemma 2 slides every other layer and Gemma 3 five of six unless layer_types says otherwise;
     Gemma 3's RoPE reads the same from 5.24's per-layer-type rope_parameters and from rope_theta /

@@ -95,7 +95,7 @@ def test_concat_export_keeps_the_optimum_contract(exports):
 
 
 def test_eager_model_gathers_like_the_export(exports):
-    """export/model.py eagerly, fed by the runner's pack_step: the inplace model's logits at
+    """export.model eagerly, fed by the runner's pack_step: the inplace model's logits at
     logit_index equal the concat model's at those positions (the path the exporter is checked against)."""
     import torch
 
