@@ -6,7 +6,8 @@ them; Gemma 2, Gemma 3 (text) and Phi-3 (fused projections, partial RoPE); Phi-3
 LongRoPE (short/long factors per row, recomputed past the original length as generate() does,
 kept across chunked prefill and in the prefix cache's hash chain); instruct checkpoints
 with the public chat templates of Llama 3.1, Qwen3 and Gemma 3 (generation_config.json's stop ids,
-chat_template.jinja, the prompt ids apply_chat_template makes, served through Triton)."""
+chat_template.jinja, the prompt ids apply_chat_template makes, served through Triton); every
+family served from one Triton server, one model each, one of them built by `make build-engines`."""
 from __future__ import annotations
 
 import json
@@ -589,11 +590,12 @@ def families_server(family_checkpoints, family_exports, tmp_path_factory):
     """One launcher (tritonserver, the front, the OpenAI API) for every family: `llm` built by `make
     build-engines MODEL=<the MADE_BY_MAKE checkpoint> REPO=<repository>` (export, engine build and its
     parity gate, the repository), then each family's in-place export added as a model of its name
-    (`python -m engines repository EXPORT --repo REPO --name FAMILY`), two KV slots each."""
+    (what `python -m engines repository EXPORT --repo REPO --name FAMILY` writes), two KV slots each;
+    a name that would replace llm's companions is refused."""
     import subprocess
 
+    from engines.repository import write_repository
     from launcher.harness import TritonServer, free_ports
-    from tests.conftest import run_cli
 
     work = tmp_path_factory.mktemp("families-served")
     repo = work / "model_repository"
@@ -605,7 +607,9 @@ def families_server(family_checkpoints, family_exports, tmp_path_factory):
     exports = {**{family: family_exports(family) for family in FAMILIES},
                **{name: family_exports(family, "inplace", RING_CHUNK) for name, family in RING_MODELS.items()}}
     for name, directory in exports.items():
-        run_cli("engines", "repository", str(directory), "--repo", str(repo), "--name", name, "--slots", "2", check=True)
+        assert write_repository(directory, repo, name=name, slots=2) == [name]
+    with pytest.raises(ValueError, match="other than step, ensemble"):
+        write_repository(exports["gemma2"], repo, name="step")
     http, grpc, metrics, openai_port = free_ports(4)
     with TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics, openai_port=openai_port) as server:
         yield server
