@@ -641,7 +641,9 @@ def test_served_family_generates_what_transformers_generates(families_server, fa
 @pytest.mark.parametrize("family", LONGROPE)
 def test_served_longrope_long_prompt(families_server, longrope_long_prompts, family):
     """A prompt past the original length, served: the long factors from the prompt on, as
-    transformers' generate() (the parity test above serves the short prompt that passes it)."""
+    transformers' generate(), though the served engine's prefix cache holds the blocks of the short
+    prompt it starts with (the parity test above served that one, whose generation passes the
+    original length)."""
     long_prompt, tokens, logprobs = longrope_long_prompts[family]
     got, got_logprobs = served_greedy(families_server, family, long_prompt)
     assert got == tokens
