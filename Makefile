@@ -75,8 +75,10 @@ $(VENV)/.installed: pyproject.toml
 export: setup
 	$(PY) -m export --model $(MODEL) --out $(EXPORT_DIR) --kv-layout $(KV_LAYOUT) --kv-dtype $(KV_DTYPE) --max-seq-len $(MAX_SEQ_LEN)
 
-# an export is redone when the exporter or the manifest contract changes (a stale one is refused)
-$(EXPORT_DIR)/manifest.json: kvforge/manifest.py $(wildcard export/*.py) | setup
+# an export is redone when the exporter or the manifest contract changes (a stale one is refused), or
+# when a checkpoint directory's config or weights do (MODEL=<dir>; a preset has none of these files)
+$(EXPORT_DIR)/manifest.json: kvforge/manifest.py $(wildcard export/*.py) \
+		$(wildcard $(MODEL)/*.json $(MODEL)/*.safetensors $(MODEL)/chat_template.jinja) | setup
 	$(MAKE) export
 
 verify: $(EXPORT_DIR)/manifest.json
