@@ -13,7 +13,9 @@ BACKEND ?= auto
 WEIGHTS ?= fp32
 TAG := $(notdir $(MODEL))-$(KV_LAYOUT)-$(KV_DTYPE)
 EXPORT_DIR ?= build/exports/$(TAG)
-ENGINE_DIR ?= model_repository/llm/1/engine
+# the Triton model repository build-engines writes and serve, run and fleet serve
+REPO ?= model_repository
+ENGINE_DIR ?= $(REPO)/llm/1/engine
 HOST ?= 127.0.0.1
 HTTP_PORT ?= 8000
 OPENAI_PORT ?= 9000
@@ -73,8 +75,10 @@ $(VENV)/.installed: pyproject.toml
 export: setup
 	$(PY) -m export --model $(MODEL) --out $(EXPORT_DIR) --kv-layout $(KV_LAYOUT) --kv-dtype $(KV_DTYPE) --max-seq-len $(MAX_SEQ_LEN)
 
-# an export is redone when the exporter or the manifest contract changes (a stale one is refused)
-$(EXPORT_DIR)/manifest.json: kvforge/manifest.py $(wildcard export/*.py export/model/*.py) | setup
+# an export is redone when the exporter or the manifest contract changes (a stale one is refused), or
+# when a checkpoint directory's config or weights do (MODEL=<dir>; a preset has none of these files)
+$(EXPORT_DIR)/manifest.json: kvforge/manifest.py $(wildcard export/*.py export/model/*.py) \
+		$(wildcard $(MODEL)/*.json $(MODEL)/*.safetensors $(MODEL)/chat_template.jinja) | setup
 	$(MAKE) export
 
 verify: $(EXPORT_DIR)/manifest.json
@@ -85,7 +89,7 @@ verify: $(EXPORT_DIR)/manifest.json
 # sequence if more; refused beyond 80% of the RAM available); `make repository` rewrites only these
 SLOTS ?=
 KV_CACHE_MIB ?=
-REPOSITORY := $(PY) -m engines repository $(ENGINE_DIR) --repo model_repository $(if $(SLOTS),--slots $(SLOTS),) \
+REPOSITORY := $(PY) -m engines repository $(ENGINE_DIR) --repo $(REPO) $(if $(SLOTS),--slots $(SLOTS),) \
 	$(if $(KV_CACHE_MIB),--kv-cache-mib $(KV_CACHE_MIB),)
 
 build-engines: $(EXPORT_DIR)/manifest.json
@@ -98,7 +102,7 @@ repository: setup
 # the launcher: the HTTP front on HTTP_PORT (and the OpenAI API on OPENAI_PORT; empty disables it),
 # supervised tritonserver (gRPC, metrics); logs in LOG_DIR
 LOG_DIR ?= build/logs
-SERVE := $(PY) -m launcher --repo model_repository --host $(HOST) --http-port $(HTTP_PORT) \
+SERVE := $(PY) -m launcher --repo $(REPO) --host $(HOST) --http-port $(HTTP_PORT) \
 	--grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --log-dir $(LOG_DIR) \
 	$(if $(OPENAI_PORT),--openai-port $(OPENAI_PORT),)
 SOAK_SECONDS ?= 600
@@ -116,7 +120,7 @@ REPLICAS ?= 2
 ROUTER_PORT ?= 8080
 ROUTER_POLICY ?= kv
 fleet: setup
-	$(PY) -m launcher.fleet --replicas $(REPLICAS) --repo model_repository --host $(HOST) --router-port $(ROUTER_PORT) \
+	$(PY) -m launcher.fleet --replicas $(REPLICAS) --repo $(REPO) --host $(HOST) --router-port $(ROUTER_PORT) \
 		--policy $(ROUTER_POLICY) --log-dir $(LOG_DIR) $(KV_FLAGS)
 
 # 10 minutes of mixed traffic at concurrency 64 against its own server on free ports

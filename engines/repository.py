@@ -1,6 +1,6 @@
 """Write the Triton model repository's config.pbtxt files from an engine's manifest.
 
-    python -m engines repository ENGINE_DIR --repo DIR [--slots N] [--max-waiting N] [--kv-cache-mib M]
+    python -m engines repository ENGINE_DIR --repo DIR [--name NAME] [--slots N] [--max-waiting N] [--kv-cache-mib M]
 
 Models: `llm` (decoupled streaming generation with continuous batching), `step` (the raw
 decoder step with dynamic batching: logits of every position, for scoring), and thin aliases
@@ -11,6 +11,11 @@ bounds and instance kinds come from kvforge.limits, so Triton and the runtime ag
 dir is recorded relative to the repository: repository and engine move together (e.g. into a
 docker image). The committed model.py files are copied when DIR is not this checkout's
 model_repository.
+
+`--name NAME` adds another engine to a repository instead: one generation model NAME (the `llm`
+model's code and contract, its own engine, KV pool and threads) beside what is there, so one
+Triton serves several engines (/v2/models/NAME/generate, gRPC); `step`, the aliases and the
+OpenAI API stay with `llm`.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from kvforge.limits import Limits
 DEFAULT_ENGINE_DIR = Path("model_repository/llm/1/engine")
 MODEL_SOURCES = Path(__file__).resolve().parents[1] / "model_repository"
 MODELS = ("llm", "step", "ensemble", "tensorrt_llm_bls", "vllm_model")
+MODEL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # a directory name Triton takes as a model name
 # model -> the committed directory its model.py comes from (the two TensorRT-LLM names share one)
 SOURCES = {"ensemble": "tensorrt_llm_bls"}
 # Arrivals within this window reach execute() together. The llm model's execute() returns at
@@ -90,9 +96,14 @@ def model_config(name: str, max_batch_size: int, inputs: list[str], outputs: lis
             f'parameters [\n{parameters(params)}\n]\n')
 
 
-def write_repository(engine_dir: Path, repo: Path, config: EngineConfig | None = None, **settings) -> None:
+def write_repository(engine_dir: Path, repo: Path, config: EngineConfig | None = None, name: str = "llm",
+                     **settings) -> list[str]:
     """config: the engine's settings, of which the repository's (kvforge/engine_config.py REPOSITORY)
-    go into the llm model's config.pbtxt; keyword settings replace single ones (slots=4)."""
+    go into the llm model's config.pbtxt; keyword settings replace single ones (slots=4). A name
+    other than llm writes that one generation model only (the module doc). Returns the models written."""
+    if name != "llm" and (name in MODELS or not MODEL_NAME.fullmatch(name)):
+        raise ValueError(f"--name {name!r}: another engine's model needs a name of letters, digits, '_', '.' "
+                         f"and '-' other than {', '.join(MODELS[1:])} (the llm model's companions)")
     engine_dir, repo = Path(engine_dir), Path(repo)
     config = dataclasses.replace(config or EngineConfig(), **settings)
     manifest = Manifest.load(engine_dir)
@@ -105,30 +116,32 @@ def write_repository(engine_dir: Path, repo: Path, config: EngineConfig | None =
     kind = "KIND_GPU" if manifest.engine.get("backend") == "tensorrt" else "KIND_CPU"
     relative_engine = os.path.relpath(engine_dir.resolve(), repo.resolve())
     configs = {
-        "llm": model_config(
-            "llm", limits.slots, LLM_INPUTS, LLM_OUTPUTS, LLM_QUEUE_DELAY_US, kind,
+        name: model_config(
+            name, limits.slots, LLM_INPUTS, LLM_OUTPUTS, LLM_QUEUE_DELAY_US, kind,
             # cache_namespace: which blocks this engine can reuse; a router refuses replicas of another
             dict(engine_dir=relative_engine, **config.parameters(), cache_namespace=cache_namespace(manifest).hex()),
             decoupled=True),
-        "step": model_config(
+    }
+    if name == "llm":
+        configs["step"] = model_config(
             "step", limits.score_rows,
             [tensor("input_ids", "TYPE_INT64", [-1], ragged=True)],
             [tensor("logits", "TYPE_FP32", [-1, manifest.model.vocab_size])],
-            STEP_QUEUE_DELAY_US, kind, dict(engine_dir=relative_engine)),
+            STEP_QUEUE_DELAY_US, kind, dict(engine_dir=relative_engine))
         # the aliases only forward requests: a CPU instance each, whatever runs the engine
-        **{name: model_config(name, limits.slots, LLM_INPUTS, LLM_OUTPUTS, ALIAS_QUEUE_DELAY_US, "KIND_CPU",
-                              dict(forward_to="llm"), decoupled=True)
-           for name in ("ensemble", "tensorrt_llm_bls")},
-        "vllm_model": model_config("vllm_model", 0, VLLM_INPUTS, VLLM_OUTPUTS, ALIAS_QUEUE_DELAY_US, "KIND_CPU",
-                                   dict(forward_to="llm"), decoupled=True),
-    }
-    for name, config in configs.items():
-        version = repo / name / "1"
+        for alias in ("ensemble", "tensorrt_llm_bls"):
+            configs[alias] = model_config(alias, limits.slots, LLM_INPUTS, LLM_OUTPUTS, ALIAS_QUEUE_DELAY_US,
+                                          "KIND_CPU", dict(forward_to="llm"), decoupled=True)
+        configs["vllm_model"] = model_config("vllm_model", 0, VLLM_INPUTS, VLLM_OUTPUTS, ALIAS_QUEUE_DELAY_US,
+                                             "KIND_CPU", dict(forward_to="llm"), decoupled=True)
+    for model, text in configs.items():
+        version = repo / model / "1"
         version.mkdir(parents=True, exist_ok=True)
-        source = MODEL_SOURCES / SOURCES.get(name, name) / "1" / "model.py"
+        source = MODEL_SOURCES / SOURCES.get(model, model if model in MODELS else "llm") / "1" / "model.py"
         if source.resolve() != (version / "model.py").resolve():
             shutil.copyfile(source, version / "model.py")
-        (repo / name / "config.pbtxt").write_text(config)
+        (repo / model / "config.pbtxt").write_text(text)
+    return list(configs)
 
 
 def parameters_of(repo: Path, model: str) -> dict[str, str]:
@@ -149,12 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engines repository", description=__doc__.split("\n\n")[0])
     parser.add_argument("engine_dir", type=Path, nargs="?", default=DEFAULT_ENGINE_DIR)
     parser.add_argument("--repo", type=Path, default=Path("model_repository"))
+    parser.add_argument("--name", default="llm",
+                        help="the generation model's name: another than llm adds this engine beside the repository's")
     add_flags(parser, REPOSITORY)  # --slots, --max-waiting, --kv-cache-mib
     args = parser.parse_args(argv)
 
     def run() -> int:
-        write_repository(args.engine_dir, args.repo, from_flags(given(args, REPOSITORY)))
-        print(f"wrote {', '.join(f'{args.repo}/{m}/config.pbtxt' for m in MODELS)} for {args.engine_dir}")
+        models = write_repository(args.engine_dir, args.repo, from_flags(given(args, REPOSITORY)), args.name)
+        print(f"wrote {', '.join(f'{args.repo}/{m}/config.pbtxt' for m in models)} for {args.engine_dir}")
         return 0
 
     return fail_cleanly(run)

@@ -6,18 +6,21 @@ them; Gemma 2, Gemma 3 (text) and Phi-3 (fused projections, partial RoPE); Phi-3
 LongRoPE (short/long factors per row, recomputed past the original length as generate() does,
 kept across chunked prefill and in the prefix cache's hash chain); instruct checkpoints
 with the public chat templates of Llama 3.1, Qwen3 and Gemma 3 (generation_config.json's stop ids,
-chat_template.jinja, the prompt ids apply_chat_template makes, served through Triton)."""
+chat_template.jinja, the prompt ids apply_chat_template makes, served through Triton); every
+family served from one Triton server, one model each, one of them built by `make build-engines`."""
 from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvforge.manifest import Manifest, ManifestError, ModelSpec
+from tests.conftest import ROOT
 from tests.families import (COMMON, EXPORT_CONTEXT, FAMILIES, INSTRUCT, NEW_TOKENS, ORIGINAL, PROMPT_TOKENS, TEMPLATES,
-                            VOCAB, greedy_reference, hf_config)
+                            VOCAB, Chat, greedy_reference, hf_config)
 
 LOGPROB_TOLERANCE = 2e-3
 LONGROPE = ("phi3.5-longrope", "phi4-mini-longrope")
@@ -211,20 +214,32 @@ def test_export_generates_what_transformers_generates(family_exports, family_che
     assert max(abs(a - b) for a, b in zip(got[1], logprobs)) <= LOGPROB_TOLERANCE
 
 
+@pytest.fixture(scope="module")
+def longrope_long_prompts(family_checkpoints):
+    """family -> a LONG_PROMPT-token prompt past the original length (the short prompt's 28 tokens
+    lead), transformers' greedy tokens after it and their log-probs."""
+    from transformers import AutoModelForCausalLM
+
+    made = {}
+    for family in LONGROPE:
+        directory, prompt, tokens = family_checkpoints[family][:3]
+        long_prompt = prompt + tokens[:LONG_PROMPT - PROMPT_TOKENS]
+        made[family] = (long_prompt, *greedy_reference(AutoModelForCausalLM.from_pretrained(directory).eval(),
+                                                       long_prompt))
+    return made
+
+
 @pytest.mark.parametrize("family", LONGROPE)
-def test_longrope_long_prompt_chunked_and_cached(family_exports, family_checkpoints, family):
+def test_longrope_long_prompt_chunked_and_cached(family_exports, family_checkpoints, longrope_long_prompts, family):
     """A prompt past the original length runs on longrope's long factors from its first chunk:
     in one call (the concat runner) and in chunks of 8 (the engine), transformers' generate()
     tokens and log-probs. The prefix cache's chain starts from the factor choice: blocks a short
     prompt stored never serve a long prompt with the same first tokens, its own blocks do, and
     the short prompt's still serve it."""
-    from transformers import AutoModelForCausalLM
-
     from runtime.llm_engine import LLMEngine, SamplingParams
 
-    directory, prompt, tokens = family_checkpoints[family][:3]
-    long_prompt = prompt + tokens[:LONG_PROMPT - PROMPT_TOKENS]  # the short prompt's 28 tokens lead
-    expected, logprobs = greedy_reference(AutoModelForCausalLM.from_pretrained(directory).eval(), long_prompt)
+    prompt, tokens = family_checkpoints[family][1:3]
+    long_prompt, expected, logprobs = longrope_long_prompts[family]
     assert runner_greedy(family_exports(family, "concat"), long_prompt)[0] == expected
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True)
     with LLMEngine(family_exports(family), threads=1, prefill_budget=8, solo_prefill_tokens=1) as engine:
@@ -551,26 +566,114 @@ def test_chat_prompt_ids_are_apply_chat_templates(family_exports, family_checkpo
     assert front.tokenizer.encode("def f") == [1] + front.tokenizer.encode("def f", add_special_tokens=False)
 
 
-@pytest.mark.parametrize("family", list(INSTRUCT))
-def test_served_chat_with_the_public_template(family_exports, family_checkpoints, family, tmp_path):
-    """Through Triton and the front, with the official client: the chat's prompt is the one
-    apply_chat_template makes (its token count), and the answer transformers' greedy one, ended
-    by generation_config.json's turn end."""
+# ---------------------------------------------------------------- through Triton
+
+
+def chat_served(server, directory: Path, family: str, chat: Chat) -> None:
+    """Through the front's OpenAI API, with the official client: the chat's prompt is the one
+    apply_chat_template makes (its token count), and the answer transformers' greedy one, ended by
+    generation_config.json's turn end."""
     import openai
 
-    from engines.repository import write_repository
-    from launcher.harness import TritonServer, free_ports
     from runtime.tokenizer import Tokenizer
 
-    directory, chat = family_exports(family), family_checkpoints[family].chat
     body = INSTRUCT[family][1]
-    write_repository(directory, tmp_path, slots=2)
-    http, grpc, metrics, openai_port = free_ports(4)
-    with TritonServer(tmp_path, http_port=http, grpc_port=grpc, metrics_port=metrics, openai_port=openai_port) as server:
-        client = openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0)
-        answer = client.chat.completions.create(model="llm", messages=body["messages"], max_tokens=NEW_TOKENS,
-                                                temperature=0, extra_body={k: v for k, v in body.items()
-                                                                           if k != "messages"})
+    client = openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0)
+    answer = client.chat.completions.create(model="llm", messages=body["messages"], max_tokens=NEW_TOKENS,
+                                            temperature=0, extra_body={k: v for k, v in body.items() if k != "messages"})
     assert answer.usage.prompt_tokens == len(chat.ids)
     assert answer.choices[0].finish_reason == "stop" and answer.usage.completion_tokens == len(chat.answer)
     assert answer.choices[0].message.content == Tokenizer(directory, Manifest.load(directory)).decode(chat.answer)
+
+
+# The instruct family whose engine `make build-engines MODEL=<its checkpoint>` builds as the
+# families' server's `llm` (the OpenAI API's model); every family's export is a model of its own
+# name there, the RINGED exports as "<family>-ring".
+MADE_BY_MAKE = "gemma3"
+RING_MODELS = {f"{family}-ring": family for family in RINGED}
+
+
+@pytest.fixture(scope="module")
+def families_server(family_checkpoints, family_exports, tmp_path_factory):
+    """One launcher (tritonserver, the front, the OpenAI API) for every family: `llm` built by `make
+    build-engines MODEL=<the MADE_BY_MAKE checkpoint> REPO=<repository>` (export, engine build and its
+    parity gate, the repository), then each family's in-place export added as a model of its name
+    (what `python -m engines repository EXPORT --repo REPO --name FAMILY` writes), two KV slots each;
+    a name that would replace llm's companions is refused."""
+    import subprocess
+
+    from engines.repository import write_repository
+    from launcher.harness import TritonServer, free_ports
+
+    work = tmp_path_factory.mktemp("families-served")
+    repo = work / "model_repository"
+    made = subprocess.run(["make", "build-engines", f"MODEL={family_checkpoints[MADE_BY_MAKE].directory}",
+                           f"EXPORT_DIR={work / 'export'}", f"REPO={repo}", f"MAX_SEQ_LEN={EXPORT_CONTEXT}", "SLOTS=2"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-3000:]
+    assert Manifest.load(repo / "llm" / "1" / "engine").engine["backend"] == "onnxruntime"
+    exports = {**{family: family_exports(family) for family in FAMILIES},
+               **{name: family_exports(family, "inplace", RING_CHUNK) for name, family in RING_MODELS.items()}}
+    for name, directory in exports.items():
+        assert write_repository(directory, repo, name=name, slots=2) == [name]
+    with pytest.raises(ValueError, match="other than step, ensemble"):
+        write_repository(exports["gemma2"], repo, name="step")
+    http, grpc, metrics, openai_port = free_ports(4)
+    with TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics, openai_port=openai_port) as server:
+        yield server
+
+
+def served_greedy(server, model: str, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """NEW_TOKENS greedy tokens after the prompt (sent as ids) and their log-probs, from `model`
+    over the front's /v2/models/MODEL/generate."""
+    import httpx
+
+    answer = httpx.post(f"http://{server.http_url}/v2/models/{model}/generate", timeout=300, json={
+        "input_ids": prompt, "input_lengths": len(prompt), "max_tokens": NEW_TOKENS, "ignore_eos": True,
+        "return_log_probs": True})
+    assert answer.status_code == 200, answer.text
+    return answer.json()["output_ids"], answer.json()["output_log_probs"]
+
+
+@pytest.mark.parametrize("model", [*FAMILIES, *RING_MODELS])
+def test_served_family_generates_what_transformers_generates(families_server, family_checkpoints, model):
+    """Every family through Triton (its own model in one server), the ring exports too: the prompt
+    in one call, generation past every window and LongRoPE's original length, transformers' greedy
+    tokens and log-probs within LOGPROB_TOLERANCE."""
+    _, prompt, tokens, logprobs = family_checkpoints[RING_MODELS.get(model, model)][:4]
+    got, got_logprobs = served_greedy(families_server, model, prompt)
+    assert got == tokens
+    assert max(abs(a - b) for a, b in zip(got_logprobs, logprobs, strict=True)) <= LOGPROB_TOLERANCE
+
+
+@pytest.mark.parametrize("family", LONGROPE)
+def test_served_longrope_long_prompt(families_server, longrope_long_prompts, family):
+    """A prompt past the original length, served: the long factors from the prompt on, as
+    transformers' generate(), though the served engine's prefix cache holds the blocks of the short
+    prompt it starts with (the parity test above served that one, whose generation passes the
+    original length)."""
+    long_prompt, tokens, logprobs = longrope_long_prompts[family]
+    got, got_logprobs = served_greedy(families_server, family, long_prompt)
+    assert got == tokens
+    assert max(abs(a - b) for a, b in zip(got_logprobs, logprobs, strict=True)) <= LOGPROB_TOLERANCE
+
+
+def test_make_built_engine_serves_the_chat(families_server, family_checkpoints):
+    """The engine `make build-engines MODEL=<checkpoint>` built, served as `llm`: the OpenAI chat
+    with the family's public template (chat_served)."""
+    directory = Path(families_server.repo) / "llm" / "1" / "engine"
+    chat_served(families_server, directory, MADE_BY_MAKE, family_checkpoints[MADE_BY_MAKE].chat)
+
+
+@pytest.mark.parametrize("family", [family for family in INSTRUCT if family != MADE_BY_MAKE])
+def test_served_chat_with_the_public_template(family_exports, family_checkpoints, family, tmp_path):
+    """The other instruct families, each its own server (the OpenAI API serves one model, `llm`):
+    the chat with the public template (chat_served)."""
+    from engines.repository import write_repository
+    from launcher.harness import TritonServer, free_ports
+
+    directory = family_exports(family)
+    write_repository(directory, tmp_path, slots=2)
+    http, grpc, metrics, openai_port = free_ports(4)
+    with TritonServer(tmp_path, http_port=http, grpc_port=grpc, metrics_port=metrics, openai_port=openai_port) as server:
+        chat_served(server, directory, family, family_checkpoints[family].chat)
