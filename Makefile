@@ -63,7 +63,7 @@ ifneq ($(KV_REDIS_URL),)
 export KVFORGE_KV_REDIS_URL := $(KV_REDIS_URL)
 endif
 
-.PHONY: setup export verify build-engines repository serve run fleet test test-bench bench soak redis redis-cluster clean
+.PHONY: setup export verify build-engines repository serve run fleet test test-bench bench bench-long-context soak redis redis-cluster clean
 
 setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -150,6 +150,16 @@ test-bench: setup
 bench: setup
 	$(VENV)/bin/pip install --quiet -e '.[peers,test,bench,cpu-peers]'
 	$(PY) -m bench $(if $(QUICK),--quick,)
+
+# issue 41 on the long-llama preset (131,072 positions, 16 KiB of KV a token): the TTFT table by tier (cold, RAM,
+# disk after a restart, Redis on a second engine) and peak RSS at LONG_TOKENS prompt tokens; a cold 64K prefill
+# takes minutes on 2 cores, so this is not a section of `make bench`; results/long_context*.json, .png
+LONG_TOKENS ?= 8192,32768,65536
+LONG_EXPORT := build/exports/long-llama-131072
+bench-long-context: setup
+	$(MAKE) $(LONG_EXPORT)/manifest.json MODEL=long-llama MAX_SEQ_LEN=131072 EXPORT_DIR=$(LONG_EXPORT)
+	$(PY) -m bench.long_context $(LONG_EXPORT) --tiers --tokens $(LONG_TOKENS)
+	$(PY) -m bench.long_context $(LONG_EXPORT) --tokens $(LONG_TOKENS)
 
 clean:
 	rm -rf build results model_repository/*/config.pbtxt model_repository/*/1/engine

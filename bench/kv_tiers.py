@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import Params, finish_figure, rendered, say, section_ran, skipped, table, target
-from bench.prefix_cache import Texts, engine_request, section_engine, spread
+from bench.prefix_cache import Texts, engine_request, mapped, section_engine, spread
 
 
 @dataclass(frozen=True)
@@ -231,6 +231,31 @@ def drop_page_cache() -> bool:
         return False
 
 
+def ttft_by_tier(engine, prompt, disk: str, redis_url: str) -> tuple[dict, dict, bool]:
+    """One prompt's first token from each tier: cold, then warm from RAM on engine A (disk + Redis
+    tiers, stopped after, draining its writes); from disk on a restarted engine with the disk tier
+    only, the page cache dropped first when the machine allows; from Redis on a second engine with
+    the Redis tier only (replica B). engine(**options) starts a warmed-up engine. Returns
+    (engine_request's result per tier, bytes/s read per tier that read anything, page cache dropped)."""
+    a = engine(kv_disk_dir=disk, kv_redis_url=redis_url)
+    try:
+        results = {"cold": engine_request(a, prompt, 1)}
+        results["ram"] = engine_request(a, prompt, 1)
+    finally:
+        a.close()
+    dropped, bandwidth = drop_page_cache(), {}
+    for tier, options in (("disk", dict(kv_disk_dir=disk)), ("redis", dict(kv_redis_url=redis_url))):
+        e = engine(**options)
+        try:
+            results[tier] = engine_request(e, prompt, 1)
+            stats = e.stats()["tiers"][tier]
+            if stats["read_seconds"]:
+                bandwidth[tier] = stats["read_bytes"] / stats["read_seconds"]
+        finally:
+            e.close()
+    return results, bandwidth, dropped
+
+
 def run(params: Params, artifacts) -> dict:
     from runtime.llm_engine import LLMEngine
     from launcher.redis_server import RedisServer
@@ -242,7 +267,7 @@ def run(params: Params, artifacts) -> dict:
     points, bandwidth, dropped = [], {"disk": [], "redis": []}, []
 
     def engine(**options):
-        e = LLMEngine(engine_dir, threads=params.threads, **options)
+        e = mapped(LLMEngine(engine_dir, threads=params.threads, **options))
         engine_request(e, texts.take(40), 2)  # warm-up: allocations, and a measured prefill rate
         return e
 
@@ -254,26 +279,14 @@ def run(params: Params, artifacts) -> dict:
             for _ in range(s.pairs):
                 prompt = texts.take(context)
                 say(f"kv_tiers: {context} tokens")
-                a = engine(kv_disk_dir=disk, kv_redis_url=redis_server.url)
-                try:
-                    cold, ram = engine_request(a, prompt, 1), engine_request(a, prompt, 1)
-                finally:
-                    a.close()
-                dropped.append(drop_page_cache())
-                results = {"cold": cold, "ram": ram}
-                for tier, options in (("disk", dict(kv_disk_dir=disk)), ("redis", dict(kv_redis_url=redis_server.url))):
-                    e = engine(**options)
-                    try:
-                        results[tier] = engine_request(e, prompt, 1)
-                        stats = e.stats()["tiers"][tier]
-                        if stats["read_seconds"]:
-                            bandwidth[tier].append(stats["read_bytes"] / stats["read_seconds"])
-                    finally:
-                        e.close()
+                results, read, was_dropped = ttft_by_tier(engine, prompt, disk, redis_server.url)
+                dropped.append(was_dropped)
+                for tier, rate in read.items():
+                    bandwidth[tier].append(rate)
                 for tier, r in results.items():
                     runs[tier].append(r["ttft_s"])
                     cached[tier] = r["cached_tokens"]
-                    same &= r["text"] == cold["text"]
+                    same &= r["text"] == results["cold"]["text"]
             cold_ms = spread(runs["cold"])["median_ms"]
             point = {"context": context, "same_greedy_text": same, "cached_tokens": cached}
             for tier, values in runs.items():

@@ -82,6 +82,14 @@ class Texts:
         return len(self.tokenizer.encode(text).ids)
 
 
+def mapped(engine):
+    """The engine once its KV reservation is mapped (a background thread touches every page at
+    startup): nothing is measured while the kernel is still faulting gigabytes in."""
+    if getattr(engine.runner, "reservation", None) is not None:
+        engine.runner.reservation.populated.wait()
+    return engine
+
+
 def engine_request(engine, prompt: str, max_tokens: int) -> dict:
     """One greedy request: TTFT (s), total time (s), generated text and token count, cached tokens."""
     from runtime.llm_engine import SamplingParams
