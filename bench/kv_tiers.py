@@ -231,28 +231,37 @@ def drop_page_cache() -> bool:
         return False
 
 
-def ttft_by_tier(engine, prompt, disk: str, redis_url: str) -> tuple[dict, dict, bool]:
+def ttft_by_tier(engine, prompt, disk: str, redis_url: str, page_cached_disk: bool = False) -> tuple[dict, dict, bool]:
     """One prompt's first token from each tier: cold, then warm from RAM on engine A (disk + Redis
-    tiers, stopped after, draining its writes); from disk on a restarted engine with the disk tier
-    only, the page cache dropped first when the machine allows; from Redis on a second engine with
-    the Redis tier only (replica B). engine(**options) starts a warmed-up engine. Returns
-    (engine_request's result per tier, bytes/s read per tier that read anything, page cache dropped)."""
+    tiers, stopped after, draining its writes); with page_cached_disk, from disk on a restarted
+    engine while the files are still in the page cache ("disk_page_cache"); from disk on a
+    restarted engine with the disk tier only, the page cache dropped first when the machine allows;
+    from Redis on a second engine with the Redis tier only (replica B). engine(**options) starts a
+    warmed-up engine. Returns (engine_request's result per tier, bytes/s read per tier that read
+    anything, page cache dropped)."""
     a = engine(kv_disk_dir=disk, kv_redis_url=redis_url)
     try:
         results = {"cold": engine_request(a, prompt, 1)}
         results["ram"] = engine_request(a, prompt, 1)
     finally:
         a.close()
-    dropped, bandwidth = drop_page_cache(), {}
-    for tier, options in (("disk", dict(kv_disk_dir=disk)), ("redis", dict(kv_redis_url=redis_url))):
+    bandwidth = {}
+
+    def restarted(name: str, tier: str, **options) -> None:
         e = engine(**options)
         try:
-            results[tier] = engine_request(e, prompt, 1)
+            results[name] = engine_request(e, prompt, 1)
             stats = e.stats()["tiers"][tier]
             if stats["read_seconds"]:
-                bandwidth[tier] = stats["read_bytes"] / stats["read_seconds"]
+                bandwidth[name] = stats["read_bytes"] / stats["read_seconds"]
         finally:
             e.close()
+
+    if page_cached_disk:
+        restarted("disk_page_cache", "disk", kv_disk_dir=disk)
+    dropped = drop_page_cache()
+    restarted("disk", "disk", kv_disk_dir=disk)
+    restarted("redis", "redis", kv_redis_url=redis_url)
     return results, bandwidth, dropped
 
 
