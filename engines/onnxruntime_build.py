@@ -13,6 +13,7 @@ import numpy as np
 from kvforge.manifest import MODEL_FILE, Manifest, ManifestError
 
 WEIGHT_MODES = ("fp32", "int8", "int4")
+WEIGHT_BITS = {"int8": 8, "int4": 4}
 # Max abs logit drift of the built engine from its export (prefill + decode on fixed prompts),
 # as a fraction of the export's logit range on the same prompts, so one gate fits random and
 # trained weights. fp32 only reorders float math; quantized weights change the model on
@@ -28,7 +29,8 @@ EXTERNAL_INITIALIZER_BYTES = 1024  # an engine built from weights kept beside th
 
 def quantize_weights(src: Path, dst: Path, weights: str) -> None:
     """int8: dynamic int8 MatMul (about 2x faster decode on CPU); int4: MatMulNBits with
-    accuracy_level 4 (int8 compute), the lm_head included (gemms_as_matmuls).
+    accuracy_level 4 (int8 compute), the lm_head included (gemms_as_matmuls). Mixture-of-experts
+    layers: quantize_experts, their routers left fp32.
 
     8-bit MatMulNBits is not offered: at accuracy_level 0 it is ~4x slower, and at level 4
     (block 32, symmetric, lm_head included) small-llama's decode steps took 13-23% longer than
@@ -37,15 +39,68 @@ def quantize_weights(src: Path, dst: Path, weights: str) -> None:
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    # Gemms as MatMuls here, for both: quantize_dynamic's own rewrite renames them, and the routers
+    # are excluded by name.
+    model = gemms_as_matmuls(onnx.load(str(src)))
+    routers = quantize_experts(model, WEIGHT_BITS[weights])
     if weights == "int8":
-        quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm"])
+        quantize_dynamic(model, str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm"],
+                         nodes_to_exclude=routers)
         return
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    quantizer = MatMulNBitsQuantizer(gemms_as_matmuls(onnx.load(str(src))), block_size=32, is_symmetric=True,
-                                     accuracy_level=4)
+    quantizer = MatMulNBitsQuantizer(model, block_size=32, is_symmetric=True, accuracy_level=4,
+                                     nodes_to_exclude=routers)
     quantizer.process()
     quantizer.model.save_model_to_file(str(dst), use_external_data_format=False)
+
+
+def quantize_experts(model, bits: int) -> list[str]:
+    """Each com.microsoft MoE node becomes a QMoE over its experts' weights quantized symmetrically to
+    `bits` with one fp32 scale per output row (QMoE's column-wise form; its default zero point
+    2^(bits-1) is the symmetric offset). Returns the names of the nodes that must stay fp32: the
+    routers (the MatMul/Gemm feeding a MoE's router_probs: transformers routes in fp32, and a
+    quantized router changes which experts run, not only by how much) and Qwen2-MoE's shared-expert
+    gate (the projection feeding a Sigmoid directly, one row of hidden_size weights)."""
+    from onnx import helper, numpy_helper
+
+    weights = {t.name: t for t in model.graph.initializer}
+    producer = {out: node for node in model.graph.node for out in node.output}
+    keep = []
+    for index, node in enumerate(list(model.graph.node)):
+        if node.op_type == "Sigmoid" and producer.get(node.input[0]) is not None \
+                and producer[node.input[0]].op_type in ("MatMul", "Gemm"):
+            keep.append(producer[node.input[0]].name)
+        if (node.domain, node.op_type) != ("com.microsoft", "MoE"):
+            continue
+        keep.append(producer[node.input[1]].name)
+        inputs = list(node.input[:2])
+        for name in (node.input[2], node.input[4]):  # fc1 (gate/up interleaved), fc2 (down): [E, N, K]
+            packed, scales = quantize_rows(numpy_helper.to_array(weights[name]), bits)
+            model.graph.initializer.remove(weights[name])
+            model.graph.initializer.extend([numpy_helper.from_array(packed, name + f".int{bits}"),
+                                            numpy_helper.from_array(scales, name + ".scales")])
+            inputs += [name + f".int{bits}", name + ".scales", ""]  # weights, scales, no bias
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        model.graph.node.remove(node)
+        model.graph.node.insert(index, helper.make_node("QMoE", inputs[:-1], list(node.output), node.name,
+                                                        domain="com.microsoft", expert_weight_bits=bits,
+                                                        **attributes))
+    return keep
+
+
+def quantize_rows(weight: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """[E, N, K] fp32 -> (uint8 [E, N, K * bits / 8] with offset 2^(bits-1), two 4-bit values per byte
+    low nibble first; fp32 scales [E, N]): symmetric, max |w| of each row at the top level."""
+    if bits == 4 and weight.shape[-1] % 2:
+        raise ManifestError(f"int4 experts pack two weights per byte: a width of {weight.shape[-1]} is odd")
+    top = 2 ** (bits - 1) - 1
+    scales = np.abs(weight).max(axis=-1) / top
+    scales[scales == 0] = 1.0
+    q = (np.clip(np.round(weight / scales[..., None]), -top - 1, top) + 2 ** (bits - 1)).astype(np.uint8)
+    if bits == 4:
+        q = q[..., 0::2] | (q[..., 1::2] << 4)
+    return np.ascontiguousarray(q), scales.astype(np.float32)
 
 
 def gemms_as_matmuls(model):

@@ -110,6 +110,8 @@ RINGS_NO_TENSORRT = ("TensorRT is not built for exports whose sliding-window lay
                      "(every layer then holds every position) to build one")
 MLA_NO_TENSORRT = ("TensorRT is not built for MLA exports: its in-place KVCacheUpdate/attention path was "
                    "written for key/value pairs and no GPU host has validated the latent cache")
+MOE_NO_TENSORRT = ("TensorRT is not built for mixture-of-experts exports: their sparse layers are ONNX Runtime "
+                   "contrib MoE nodes (com.microsoft), which TensorRT's ONNX parser does not take")
 KV_LAYOUTS = ("concat", "inplace")
 # Tokens per KV block: the unit the prefix cache hashes, stores and copies. Measured with
 # `python -m bench --sections prefix_cache` (copy, small-llama fp32, 2 shared cores): copying a

@@ -106,3 +106,105 @@ def test_moe_generates_what_transformers_generates(moe_exports, moe_checkpoints,
         assert got[0] == tokens
         assert max(abs(a - b) for a, b in zip(got[1], logprobs)) <= LOGPROB_TOLERANCE
     assert len(set(tokens)) > 8  # not a degenerate loop
+
+
+def _moe_nodes(path, op: str) -> list:
+    import onnx
+
+    model = onnx.load(str(path))
+    return [n for n in model.graph.node if (n.domain, n.op_type) == ("com.microsoft", op)], model
+
+
+def _float_routers(nodes, model) -> list[tuple[int, ...]]:
+    """The shape of each MoE/QMoE node's router weight, when it is a float MatMul/Gemm initializer."""
+    import onnx
+
+    producer = {out: node for node in model.graph.node for out in node.output}
+    weights = {t.name: t for t in model.graph.initializer}
+    shapes = []
+    for node in nodes:
+        router = producer[node.input[1]]
+        assert router.op_type in ("MatMul", "Gemm")
+        weight = weights[router.input[1]]
+        assert weight.data_type == onnx.TensorProto.FLOAT
+        shapes.append(tuple(weight.dims))
+    return shapes
+
+
+def test_moe_graph_and_quantized_engines(moe_exports, moe_checkpoints, tmp_path):
+    """One MoE node per sparse layer (Qwen2-MoE's decoder_sparse_step 2: layers 1 and 3), routed by
+    an fp32 projection; `engines build --weights int8/int4` makes them QMoE of 8/4-bit experts, the
+    routers and shared-expert gates still fp32 MatMuls, the dense projections quantized, and the
+    engines' log-probs of the export's greedy tokens stay near its own. TensorRT is refused."""
+    from engines.__main__ import choose_backend
+    from runtime.greedy import followed_logprobs
+    from runtime.runners import open_runner
+    from tests.conftest import run_cli
+    from tests.test_family_weights import logprob_bound
+
+    export_dir = moe_exports("qwen2-moe")
+    nodes, model = _moe_nodes(export_dir / "model.onnx", "MoE")
+    assert len(nodes) == len(SPARSE_LAYERS["qwen2-moe"])
+    assert _float_routers(nodes, model) == [(6, 64)] * 2  # [experts, hidden] (a Gemm with transB)
+    attributes = {a.name: a for a in nodes[0].attribute}
+    assert (attributes["k"].i, attributes["normalize_routing_weights"].i, attributes["swiglu_fusion"].i) == (2, 0, 1)
+    spec = Manifest.load(export_dir).model
+    assert (spec.num_experts, spec.experts_per_token, spec.sparse_layers) == (6, 2, (1, 3))
+    with pytest.raises(ManifestError, match="mixture-of-experts export .*TensorRT's ONNX parser"):
+        choose_backend("tensorrt", Manifest.load(export_dir), export_dir)
+    assert choose_backend("auto", Manifest.load(export_dir), export_dir) == "onnxruntime"
+
+    engines = {}
+    for weights, bits in (("int8", 8), ("int4", 4)):
+        engines[weights] = tmp_path / weights
+        result = run_cli("engines", "build", str(export_dir), "--weights", weights, "--out", str(engines[weights]))
+        assert result.returncode == 0, result.stderr
+        nodes, model = _moe_nodes(engines[weights] / "model.onnx", "QMoE")
+        assert len(nodes) == 2 and not _moe_nodes(engines[weights] / "model.onnx", "MoE")[0]
+        assert all({a.name: a.i for a in n.attribute}["expert_weight_bits"] == bits for n in nodes)
+        assert sorted(_float_routers(nodes, model)) == [(64, 6)] * 2  # fp32, transposed into a MatMul
+        floats = [n for n in model.graph.node if n.op_type in ("MatMul", "Gemm")]
+        assert len(floats) == 4  # the two routers and the two shared-expert gates: nothing else stays fp32
+    prompt = moe_checkpoints["qwen2-moe"][1]
+    tokens, (reference, *quantized) = followed_logprobs(
+        [open_runner(d, threads=1) for d in (export_dir, engines["int8"], engines["int4"])], prompt, 16)
+    for weights, got in zip(engines, quantized):  # tests/test_family_weights.py's bound, from the build's gate
+        bound = logprob_bound(weights, Manifest.load(engines[weights]).engine["parity_logit_range"])
+        assert 0 < max(abs(a - b) for a, b in zip(reference, got)) <= bound, weights
+
+def test_moe_config_facts_and_refusals(moe_checkpoints, tmp_path):
+    """Sparse layers as transformers chooses them; what is not exported is refused, naming why."""
+    from export.checkpoint import load_model
+    from kvforge.manifest import KV_DTYPES
+
+    def spec(name, **overrides):
+        return ModelSpec.from_hf_config({**hf_config(name).to_dict(), **overrides})
+
+    assert spec("qwen3-moe").sparse_layers == (0, 2) and spec("qwen3-moe").norm_topk_prob
+    assert spec("qwen3-moe", mlp_only_layers=[], decoder_sparse_step=3).sparse_layers == (2,)
+    hub = {k: v for k, v in hf_config("qwen3-moe").to_dict().items() if k != "num_local_experts"}
+    assert ModelSpec.from_hf_config({**hub, "num_experts": 128}).num_experts == 128  # the hub's configs say num_experts
+    assert spec("qwen2-moe").shared_expert_intermediate_size == 40 and not spec("qwen2-moe").norm_topk_prob
+    assert spec("mixtral").norm_topk_prob and spec("mixtral").expert_intermediate_size == 32
+    assert spec("mixtral", sliding_window=24).sliding_layers == (0, 1)  # Mistral's window on every layer
+    assert "sandwich_norms" not in ModelSpec.__dataclass_fields__
+    with pytest.raises(ManifestError, match="GptOssForCausalLM .*attention sinks.*MXFP4"):
+        ModelSpec.from_hf_config({**COMMON, "architectures": ["GptOssForCausalLM"]})
+    with pytest.raises(ManifestError, match="quantization_config \\(quant_method 'fp8'"):
+        spec("qwen3-moe", quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    with pytest.raises(ManifestError, match="routing other than softmax top-k.*softmax top-k only"):
+        spec("qwen2-moe", scoring_func="sigmoid")
+    with pytest.raises(ManifestError, match="num_experts_per_tok=9 must be in 1..8"):
+        spec("mixtral", num_experts_per_tok=9)
+    with pytest.raises(ManifestError, match="use_sliding_window is not supported for mixture-of-experts"):
+        spec("qwen3-moe", use_sliding_window=True, sliding_window=24)
+    # a checkpoint without one expert's tensor: named, not a KeyError
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(moe_checkpoints["mixtral"][0], broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["model.layers.1.block_sparse_moe.experts.7.w3.weight"]
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ManifestError, match="lacks weights.*layers.1.block_sparse_moe.experts.7.w3"):
+        load_model(broken, "inplace", KV_DTYPES["fp32"])
