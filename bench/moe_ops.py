@@ -1,4 +1,4 @@
-"""python -m bench.moe_ops [--threads N]: why a sparse layer is exported as ONNX Runtime's MoE node.
+"""python -m bench.moe_ops [--threads N] [--models]: why a sparse layer is exported as ONNX Runtime's MoE node.
 
 One sparse feed-forward (router, top-k of E SwiGLU experts, weighted sum) of a small config, exported
 three ways, timed at batch 1 (one decode token) and over a 256-token prefill chunk:
@@ -9,7 +9,11 @@ three ways, timed at batch 1 (one decode token) and over a 256-token prefill chu
 
 beside a dense SwiGLU MLP of the active width (k x I): the cost of a dense model with the same
 active parameters. Random fp32 weights; the same router logits for all; the outputs are checked
-against each other before timing. Median of the timed calls, microseconds."""
+against each other before timing. Median of the timed calls, microseconds.
+
+--models: whole exports at batch 1: decode tokens/s of a random Qwen3-MoE checkpoint of these
+shapes (MODEL_LAYERS layers) beside the dense Qwen3 of the same active parameters (intermediate
+size k x I), the two taking turns (bench.common.interleaved_steps)."""
 from __future__ import annotations
 
 import argparse
@@ -19,6 +23,7 @@ import numpy as np
 
 HIDDEN, EXPERTS, K, WIDTH = 1024, 32, 4, 512  # 201 MB of fp32 experts: far past the caches
 TOKENS = (1, 256)
+MODEL_LAYERS, MODEL_CONTEXT = 4, 256
 
 
 def graphs(weights: dict[str, np.ndarray]) -> dict:
@@ -113,12 +118,44 @@ def median_us(session, x: np.ndarray, calls: int) -> float:
     return float(np.median(times)) * 1e6
 
 
+def whole_models(threads: int, steps: int) -> dict[str, float]:
+    """name -> decode tokens/s at batch 1, MODEL_CONTEXT cached tokens (random weights, fp32, in place)."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    import transformers
+
+    from bench.common import TRAINED_MODEL, decode_rate, interleaved_steps
+    from export.__main__ import export
+    from runtime.runners import open_runner
+
+    common = dict(hidden_size=HIDDEN, num_hidden_layers=MODEL_LAYERS, num_attention_heads=16, num_key_value_heads=4,
+                  head_dim=64, vocab_size=4096, max_position_embeddings=1024, intermediate_size=K * WIDTH)
+    configs = {"moe": transformers.Qwen3MoeConfig(num_experts=EXPERTS, num_experts_per_tok=K,
+                                                  moe_intermediate_size=WIDTH, norm_topk_prob=True, **common),
+               "dense": transformers.Qwen3Config(**common)}
+    runners = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, config in configs.items():
+            config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+            torch.manual_seed(0)
+            transformers.AutoModelForCausalLM.from_config(config).save_pretrained(Path(tmp) / name)
+            for file in ("tokenizer.json", "tokenizer_config.json"):
+                (Path(tmp) / name / file).write_bytes((TRAINED_MODEL / file).read_bytes())
+            export(str(Path(tmp) / name), Path(tmp) / f"{name}-export", "inplace", "fp32", 1024)
+            runners[name] = (open_runner(Path(tmp) / f"{name}-export", threads=threads), None)
+        times = interleaved_steps(runners, 1, MODEL_CONTEXT, steps, rounds=3)
+    return {name: decode_rate(1, seconds) for name, seconds in times.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     import onnxruntime as ort
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--models", action="store_true", help="also time whole exports (MoE vs dense, batch 1)")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     options = ort.SessionOptions()
@@ -136,6 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         times = {name: median_us(s, x, args.calls if tokens == 1 else max(10, args.calls // 10))
                  for name, s in sessions.items()}
         print(f"{tokens} token(s): " + ", ".join(f"{name} {us:,.0f} us" for name, us in times.items()))
+    if args.models:
+        rates = whole_models(args.threads, args.calls // 4)
+        print(f"{MODEL_LAYERS}-layer exports, batch 1 at {MODEL_CONTEXT} tokens: "
+              + ", ".join(f"{name} {rate:.1f} tokens/s" for name, rate in rates.items())
+              + f" (moe step = {rates['dense'] / rates['moe']:.2f}x dense's)")
     return 0
 
 

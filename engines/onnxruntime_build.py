@@ -66,14 +66,12 @@ def quantize_experts(model, bits: int) -> list[str]:
 
     weights = {t.name: t for t in model.graph.initializer}
     producer = {out: node for node in model.graph.node for out in node.output}
-    keep = []
-    for index, node in enumerate(list(model.graph.node)):
-        if node.op_type == "Sigmoid" and producer.get(node.input[0]) is not None \
-                and producer[node.input[0]].op_type in ("MatMul", "Gemm"):
-            keep.append(producer[node.input[0]].name)
-        if (node.domain, node.op_type) != ("com.microsoft", "MoE"):
-            continue
-        keep.append(producer[node.input[1]].name)
+    sparse = [node for node in model.graph.node if (node.domain, node.op_type) == ("com.microsoft", "MoE")]
+    keep = [producer[node.input[1]].name for node in sparse]
+    if sparse:
+        keep += [producer[node.input[0]].name for node in model.graph.node if node.op_type == "Sigmoid"
+                 and node.input[0] in producer and producer[node.input[0]].op_type in ("MatMul", "Gemm")]
+    for node in sparse:
         inputs = list(node.input[:2])
         for name in (node.input[2], node.input[4]):  # fc1 (gate/up interleaved), fc2 (down): [E, N, K]
             packed, scales = quantize_rows(numpy_helper.to_array(weights[name]), bits)
@@ -82,6 +80,7 @@ def quantize_experts(model, bits: int) -> list[str]:
                                             numpy_helper.from_array(scales, name + ".scales")])
             inputs += [name + f".int{bits}", name + ".scales", ""]  # weights, scales, no bias
         attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        index = list(model.graph.node).index(node)
         model.graph.node.remove(node)
         model.graph.node.insert(index, helper.make_node("QMoE", inputs[:-1], list(node.output), node.name,
                                                         domain="com.microsoft", expert_weight_bits=bits,
