@@ -82,15 +82,12 @@ def load_model(checkpoint: Path, layout: str, kv: KVDType) -> tuple[ModelSpec, C
     for key, parts in fused.items():
         if key in state:
             state.update(zip([name for name, _ in parts], state.pop(key).split([rows for _, rows in parts])))
-    absent = sorted(sources - state.keys())
-    if absent:
-        raise ManifestError(f"{checkpoint} lacks weights the architecture needs, e.g. {absent[:3]}")
+    missing = sorted(((expected - stacked.keys()) | sources) - state.keys())
+    if missing:
+        raise ManifestError(f"{checkpoint} lacks weights the architecture needs, e.g. {missing[:3]}")
     for key, parts in stacked.items():
         state[key] = state.pop(parts) if isinstance(parts, str) else \
             torch.stack([torch.cat([state.pop(k) for k in expert]) for expert in parts])
-    missing = sorted(expected - state.keys())
-    if missing:
-        raise ManifestError(f"{checkpoint} lacks weights the architecture needs, e.g. {missing[:3]}")
     model.adapt_weights(state, config)  # the family's: DeepSeek-V3's rotary rows, MiniCPM3's scales, Gemma's norms
     model.load_state_dict(state, strict=False)
     return spec, model.eval()
