@@ -92,7 +92,8 @@ def moe_exports(tmp_path_factory, moe_checkpoints):
 def test_moe_generates_what_transformers_generates(moe_exports, moe_checkpoints, name):
     """Greedy, the prompt in one step then decode steps: through LLMEngine (in place) and the runner
     (concat), transformers' tokens and log-probs within LOGPROB_TOLERANCE, every expert of every
-    sparse layer routed to along the way."""
+    sparse layer routed to along the way; beside a second prompt packed into the same steps (the MoE
+    node sees both rows' tokens at once), which generates what it does alone."""
     from runtime.llm_engine import LLMEngine, SamplingParams
     from tests.test_families import runner_greedy
 
@@ -100,8 +101,12 @@ def test_moe_generates_what_transformers_generates(moe_exports, moe_checkpoints,
     config = model.config
     experts = getattr(config, "num_local_experts", None) or config.num_experts
     assert len(experts_routed(model, prompt + tokens)) == len(SPARSE_LAYERS[name]) * experts
+    other = prompt[::-1][:17]
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True)
     with LLMEngine(moe_exports(name), threads=1, prefix_cache=False) as engine:
-        result = engine.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True))[0]
+        result, beside = engine.generate([prompt, other], params)
+        alone = engine.generate([other], params)[0]
+    assert beside.token_ids == alone.token_ids
     for got in ((result.token_ids, result.logprobs), runner_greedy(moe_exports(name, "concat"), prompt)):
         assert got[0] == tokens
         assert max(abs(a - b) for a, b in zip(got[1], logprobs)) <= LOGPROB_TOLERANCE
