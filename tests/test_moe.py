@@ -1,8 +1,8 @@
 """Mixture-of-experts checkpoints (Mixtral, Qwen3-MoE, Qwen2-MoE) as tiny Hugging Face checkpoints
 with random weights, saved by transformers 5.24 (per-expert tensors in the files): exported with one
 ONNX Runtime MoE node per sparse layer and run by the in-process engine and the runner against
-transformers' generate(); int8/int4 engines with QMoE experts and fp32 routers; the config facts
-(decoder_sparse_step, mlp_only_layers) and the refusals."""
+transformers' generate() and served through Triton; int8/int4 engines with QMoE experts and fp32
+routers; the config facts (decoder_sparse_step, mlp_only_layers) and the refusals."""
 from __future__ import annotations
 
 import shutil
@@ -213,3 +213,19 @@ def test_moe_config_facts_and_refusals(moe_checkpoints, tmp_path):
     save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ManifestError, match="lacks weights.*layers.1.block_sparse_moe.experts.7.w3"):
         load_model(broken, "inplace", KV_DTYPES["fp32"])
+
+
+def test_moe_served_through_triton(moe_exports, moe_checkpoints, tmp_path):
+    """A Qwen2-MoE export (shared expert, dense and sparse layers) served as `llm` by tritonserver:
+    transformers' greedy tokens and log-probs over the front's /v2 generate."""
+    from engines.repository import write_repository
+    from launcher.harness import TritonServer, free_ports
+    from tests.test_families import served_greedy
+
+    _, prompt, tokens, logprobs, _ = moe_checkpoints["qwen2-moe"]
+    write_repository(moe_exports("qwen2-moe"), tmp_path, slots=2)
+    http, grpc, metrics, openai_port = free_ports(4)
+    with TritonServer(tmp_path, http_port=http, grpc_port=grpc, metrics_port=metrics, openai_port=openai_port) as server:
+        got, got_logprobs = served_greedy(server, "llm", prompt)
+    assert got == tokens
+    assert max(abs(a - b) for a, b in zip(got_logprobs, logprobs, strict=True)) <= LOGPROB_TOLERANCE
