@@ -8,7 +8,8 @@ three ways, timed at batch 1 (one decode token) and over a 256-token prefill chu
     dense   standard ops: every expert over every token, weighted by the routing (zero off the top k)
 
 beside a dense SwiGLU MLP of the active width (k x I): the cost of a dense model with the same
-active parameters. Random fp32 weights; the same router logits for all; the outputs are checked
+active parameters; and the MoE node as `engines build --weights int8|int4` makes it (QMoE,
+engines.onnxruntime_build.quantize_experts), in blocks of 32 and with one scale per row. Random fp32 weights; the same router logits for all; the outputs are checked
 against each other before timing. Median of the timed calls, microseconds.
 
 --models: whole exports at batch 1: decode tokens/s of a random Qwen3-MoE checkpoint of these
@@ -17,6 +18,7 @@ size k x I), the two taking turns (bench.common.interleaved_steps)."""
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 
 import numpy as np
@@ -29,6 +31,8 @@ MODEL_LAYERS, MODEL_CONTEXT = 4, 256
 def graphs(weights: dict[str, np.ndarray]) -> dict:
     """name -> ModelProto over x [T, HIDDEN] -> y [T, HIDDEN]."""
     from onnx import TensorProto, helper, numpy_helper
+
+    from engines.onnxruntime_build import quantize_experts
 
     def model(nodes, names):
         x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", HIDDEN])
@@ -83,7 +87,11 @@ def graphs(weights: dict[str, np.ndarray]) -> dict:
     active = model([helper.make_node("MatMul", ["x", "active_fc1"], ["h"]), *swiglu("h", "act", "active_split"),
                     helper.make_node("MatMul", ["act", "active_fc2"], ["y"])],
                    ["active_fc1", "active_fc2", "active_split"])
-    return {"moe": moe, "gather": gather, "dense": dense, "dense MLP of the active width": active}
+    quantized = {}
+    for bits, block in ((8, 32), (8, None), (4, 32), (4, None)):
+        quantized[f"QMoE int{bits} {'block 32' if block else 'per row'}"] = qmoe = copy.deepcopy(moe)
+        quantize_experts(qmoe, bits, block)
+    return {"moe": moe, "gather": gather, "dense": dense, "dense MLP of the active width": active, **quantized}
 
 
 def make_weights(rng) -> dict[str, np.ndarray]:
@@ -170,9 +178,13 @@ def main(argv: list[str] | None = None) -> int:
         outputs = {name: s.run(None, {"x": x})[0] for name, s in sessions.items()}
         for name in ("gather", "dense"):  # the same function as the MoE node's
             np.testing.assert_allclose(outputs[name], outputs["moe"], atol=1e-4, rtol=1e-3)
+        scale = np.abs(outputs["moe"]).max()
+        errors = {name: np.abs(out - outputs["moe"]).max() / scale for name, out in outputs.items() if "QMoE" in name}
         times = {name: median_us(s, x, args.calls if tokens == 1 else max(10, args.calls // 10))
                  for name, s in sessions.items()}
         print(f"{tokens} token(s): " + ", ".join(f"{name} {us:,.0f} us" for name, us in times.items()))
+        print("  quantized experts' max error / max |output|: "
+              + ", ".join(f"{name} {error:.3f}" for name, error in errors.items()))
     if args.models:
         rates = whole_models(args.threads, args.calls // 4)
         print(f"{MODEL_LAYERS}-layer exports, batch 1 at {MODEL_CONTEXT} tokens: "

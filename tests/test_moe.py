@@ -24,7 +24,7 @@ CHECKPOINTS = {
                                    num_hidden_layers=3, mlp_only_layers=[1])),
     # Qwen2-MoE's: unnormalized top-k, q/k/v biases, a shared expert behind its sigmoid gate, and
     # decoder_sparse_step 2 (layers 1 and 3 sparse)
-    "qwen2-moe": ("Qwen2Moe", dict(num_experts=6, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+    "qwen2-moe": ("Qwen2Moe", dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=40,
                                    num_hidden_layers=4, decoder_sparse_step=2)),
 }
 SPARSE_LAYERS = {"mixtral": (0, 1), "qwen3-moe": (0, 2), "qwen2-moe": (1, 3)}
@@ -138,9 +138,10 @@ def _float_routers(nodes, model) -> list[tuple[int, ...]]:
 
 def test_moe_graph_and_quantized_engines(moe_exports, moe_checkpoints, tmp_path):
     """One MoE node per sparse layer (Qwen2-MoE's decoder_sparse_step 2: layers 1 and 3), routed by
-    an fp32 projection; `engines build --weights int8/int4` makes them QMoE of 8/4-bit experts, the
-    routers and shared-expert gates still fp32 MatMuls, the dense projections quantized, and the
-    engines' log-probs of the export's greedy tokens stay near its own. TensorRT is refused."""
+    an fp32 projection; `engines build --weights int8/int4` makes them QMoE of 8/4-bit experts (in
+    blocks of 32 where the widths divide), the routers and shared-expert gates still fp32 MatMuls, the
+    dense projections quantized, and the engines' log-probs of the export's greedy tokens stay near
+    its own. TensorRT is refused."""
     from engines.__main__ import choose_backend
     from runtime.greedy import followed_logprobs
     from runtime.runners import open_runner
@@ -150,31 +151,39 @@ def test_moe_graph_and_quantized_engines(moe_exports, moe_checkpoints, tmp_path)
     export_dir = moe_exports("qwen2-moe")
     nodes, model = _moe_nodes(export_dir / "model.onnx", "MoE")
     assert len(nodes) == len(SPARSE_LAYERS["qwen2-moe"])
-    assert _float_routers(nodes, model) == [(6, 64)] * 2  # [experts, hidden] (a Gemm with transB)
+    assert _float_routers(nodes, model) == [(4, 64)] * 2  # [experts, hidden] (a Gemm with transB)
     attributes = {a.name: a for a in nodes[0].attribute}
     assert (attributes["k"].i, attributes["normalize_routing_weights"].i, attributes["swiglu_fusion"].i) == (2, 0, 1)
     spec = Manifest.load(export_dir).model
-    assert (spec.num_experts, spec.experts_per_token, spec.sparse_layers) == (6, 2, (1, 3))
+    assert (spec.num_experts, spec.experts_per_token, spec.sparse_layers) == (4, 2, (1, 3))
     with pytest.raises(ManifestError, match="mixture-of-experts export .*TensorRT's ONNX parser"):
         choose_backend("tensorrt", Manifest.load(export_dir), export_dir)
     assert choose_backend("auto", Manifest.load(export_dir), export_dir) == "onnxruntime"
 
     engines = {}
-    for weights, bits in (("int8", 8), ("int4", 4)):
-        engines[weights] = tmp_path / weights
-        result = run_cli("engines", "build", str(export_dir), "--weights", weights, "--out", str(engines[weights]))
+    # Qwen2-MoE's experts (hidden 64, width 32) quantize in blocks of 32; Qwen3-MoE's (width 24) one
+    # scale per row
+    for name, weights, bits, block in (("qwen2-moe", "int8", 8, 32), ("qwen2-moe", "int4", 4, 32),
+                                       ("qwen3-moe", "int4", 4, 0)):
+        out = engines.setdefault(name, {})[weights] = tmp_path / f"{name}-{weights}"
+        result = run_cli("engines", "build", str(moe_exports(name)), "--weights", weights, "--out", str(out))
         assert result.returncode == 0, result.stderr
-        nodes, model = _moe_nodes(engines[weights] / "model.onnx", "QMoE")
-        assert len(nodes) == 2 and not _moe_nodes(engines[weights] / "model.onnx", "MoE")[0]
-        assert all({a.name: a.i for a in n.attribute}["expert_weight_bits"] == bits for n in nodes)
-        assert sorted(_float_routers(nodes, model)) == [(64, 6)] * 2  # fp32, transposed into a MatMul
+        nodes, model = _moe_nodes(out / "model.onnx", "QMoE")
+        assert len(nodes) == 2 and not _moe_nodes(out / "model.onnx", "MoE")[0]
+        for node in nodes:
+            attributes = {a.name: a.i for a in node.attribute}
+            assert (attributes["expert_weight_bits"], attributes.get("block_size", 0)) == (bits, block)
+        routers = _float_routers(nodes, model)  # fp32, transposed into a MatMul: [hidden, experts]
+        assert routers == [(64, 4 if name == "qwen2-moe" else 8)] * 2
         floats = [n for n in model.graph.node if n.op_type in ("MatMul", "Gemm")]
-        assert len(floats) == 4  # the two routers and the two shared-expert gates: nothing else stays fp32
+        # the routers (and Qwen2-MoE's two shared-expert gates): nothing else stays fp32
+        assert len(floats) == (4 if name == "qwen2-moe" else 2)
     prompt = moe_checkpoints["qwen2-moe"][1]
+    built = engines["qwen2-moe"]
     tokens, (reference, *quantized) = followed_logprobs(
-        [open_runner(d, threads=1) for d in (export_dir, engines["int8"], engines["int4"])], prompt, 16)
-    for weights, got in zip(engines, quantized):  # tests/test_family_weights.py's bound, from the build's gate
-        bound = logprob_bound(weights, Manifest.load(engines[weights]).engine["parity_logit_range"])
+        [open_runner(d, threads=1) for d in (export_dir, built["int8"], built["int4"])], prompt, 16)
+    for weights, got in zip(built, quantized):  # tests/test_family_weights.py's bound, from the build's gate
+        bound = logprob_bound(weights, Manifest.load(built[weights]).engine["parity_logit_range"])
         assert 0 < max(abs(a - b) for a, b in zip(reference, got)) <= bound, weights
 
 def test_moe_config_facts_and_refusals(moe_checkpoints, tmp_path):
