@@ -16,9 +16,8 @@ WEIGHT_MODES = ("fp32", "int8", "int4")
 WEIGHT_BITS = {"int8": 8, "int4": 4}
 # QMoE's block along the input, where the hidden size and the experts' width divide by it (every
 # released MoE). Measured (`python -m bench.moe_ops`: one sparse FFN, hidden 1024, 32 experts of 512,
-# top 4, 2 threads): one decode token took about as long with one scale per row as in fp32, for
-# int8 and int4 alike, and ~10x less in blocks of 32 (the CPU kernel's block-wise path), int4's
-# error smaller too.
+# top 4, 1 and 2 threads): one decode token took 7.5-8.2x (int8) and 10.6x (int4) longer with one
+# scale per row than in blocks of 32, about the fp32 node's time, int4's error 1.4-1.5x larger.
 EXPERT_BLOCK = 32
 # Max abs logit drift of the built engine from its export (prefill + decode on fixed prompts),
 # as a fraction of the export's logit range on the same prompts, so one gate fits random and
