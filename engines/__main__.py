@@ -11,13 +11,15 @@ import sys
 from pathlib import Path
 
 from kvforge.cli import atomic_directory, fail_cleanly, progress
-from kvforge.manifest import MLA_NO_TENSORRT, RINGS_NO_TENSORRT, Manifest, ManifestError
+from kvforge.manifest import MLA_NO_TENSORRT, MOE_NO_TENSORRT, RINGS_NO_TENSORRT, Manifest, ManifestError
 
 
 def choose_backend(requested: str, manifest: Manifest, export_dir: Path) -> str:
     """The backend to build for; the cache dtype decides first, before any check of the host."""
     runs_on = manifest.kv.runs_on
-    refusal = (f"an MLA export ({manifest.model.architecture}): {MLA_NO_TENSORRT}" if manifest.model.attention == "mla"
+    model = manifest.model
+    refusal = (f"an MLA export ({model.architecture}): {MLA_NO_TENSORRT}" if model.attention == "mla"
+               else f"a mixture-of-experts export ({model.architecture}): {MOE_NO_TENSORRT}" if model.num_experts
                else f"a ring-cache export: {RINGS_NO_TENSORRT}" if manifest.rings else None)
     if refusal is not None:
         if requested == "tensorrt":

@@ -13,6 +13,12 @@ import numpy as np
 from kvforge.manifest import MODEL_FILE, Manifest, ManifestError
 
 WEIGHT_MODES = ("fp32", "int8", "int4")
+WEIGHT_BITS = {"int8": 8, "int4": 4}
+# QMoE's block along the input, where the hidden size and the experts' width divide by it (every
+# released MoE). Measured (`python -m bench.moe_ops`: one sparse FFN, hidden 1024, 32 experts of 512,
+# top 4, 1 and 2 threads): one decode token took 7.5-8.2x (int8) and 10.6x (int4) longer with one
+# scale per row than in blocks of 32, about the fp32 node's time, int4's error 1.4-1.5x larger.
+EXPERT_BLOCK = 32
 # Max abs logit drift of the built engine from its export (prefill + decode on fixed prompts),
 # as a fraction of the export's logit range on the same prompts, so one gate fits random and
 # trained weights. fp32 only reorders float math; quantized weights change the model on
@@ -28,7 +34,8 @@ EXTERNAL_INITIALIZER_BYTES = 1024  # an engine built from weights kept beside th
 
 def quantize_weights(src: Path, dst: Path, weights: str) -> None:
     """int8: dynamic int8 MatMul (about 2x faster decode on CPU); int4: MatMulNBits with
-    accuracy_level 4 (int8 compute), the lm_head included (gemms_as_matmuls).
+    accuracy_level 4 (int8 compute), the lm_head included (gemms_as_matmuls). Mixture-of-experts
+    layers: quantize_experts, their routers left fp32.
 
     8-bit MatMulNBits is not offered: at accuracy_level 0 it is ~4x slower, and at level 4
     (block 32, symmetric, lm_head included) small-llama's decode steps took 13-23% longer than
@@ -37,15 +44,75 @@ def quantize_weights(src: Path, dst: Path, weights: str) -> None:
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    # Gemms as MatMuls here, for both: quantize_dynamic's own rewrite renames them, and the routers
+    # are excluded by name.
+    model = gemms_as_matmuls(onnx.load(str(src)))
+    routers = quantize_experts(model, WEIGHT_BITS[weights])
     if weights == "int8":
-        quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm"])
+        quantize_dynamic(model, str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm"],
+                         nodes_to_exclude=routers)
         return
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    quantizer = MatMulNBitsQuantizer(gemms_as_matmuls(onnx.load(str(src))), block_size=32, is_symmetric=True,
-                                     accuracy_level=4)
+    quantizer = MatMulNBitsQuantizer(model, block_size=32, is_symmetric=True, accuracy_level=4,
+                                     nodes_to_exclude=routers)
     quantizer.process()
     quantizer.model.save_model_to_file(str(dst), use_external_data_format=False)
+
+
+def quantize_experts(model, bits: int, block: int | None = EXPERT_BLOCK) -> list[str]:
+    """Each com.microsoft MoE node becomes a QMoE over its experts' weights quantized symmetrically to
+    `bits` in blocks of `block` along the input (one fp32 scale per row for None, or where a width does
+    not divide: QMoE's column-wise form), its default zero point 2^(bits-1) the symmetric offset; int4 at
+    accuracy_level 4 (int8 activations), as MatMulNBits here. Returns the names of the nodes that must
+    stay fp32: the routers (the MatMul/Gemm feeding a MoE's router_probs: transformers routes in fp32,
+    and a quantized router changes which experts run, not only by how much) and Qwen2-MoE's
+    shared-expert gate (the projection feeding a Sigmoid directly, one row of hidden_size weights)."""
+    from onnx import helper, numpy_helper
+
+    weights = {t.name: t for t in model.graph.initializer}
+    producer = {out: node for node in model.graph.node for out in node.output}
+    sparse = [node for node in model.graph.node if (node.domain, node.op_type) == ("com.microsoft", "MoE")]
+    keep = [producer[node.input[1]].name for node in sparse]
+    if sparse:
+        keep += [producer[node.input[0]].name for node in model.graph.node if node.op_type == "Sigmoid"
+                 and node.input[0] in producer and producer[node.input[0]].op_type in ("MatMul", "Gemm")]
+    for node in sparse:
+        fc1, fc2 = (numpy_helper.to_array(weights[name]) for name in (node.input[2], node.input[4]))
+        blocked = block is not None and fc1.shape[-1] % block == 0 and fc2.shape[-1] % block == 0
+        inputs = list(node.input[:2])
+        for name, weight in ((node.input[2], fc1), (node.input[4], fc2)):  # [E, N, K]: gate/up interleaved, down
+            packed, scales = quantize_blocks(weight, bits, block if blocked else None)
+            model.graph.initializer.remove(weights[name])
+            model.graph.initializer.extend([numpy_helper.from_array(packed, name + f".int{bits}"),
+                                            numpy_helper.from_array(scales, name + ".scales")])
+            inputs += [name + f".int{bits}", name + ".scales", ""]  # weights, scales, no bias
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        attributes.update(expert_weight_bits=bits, accuracy_level=4 if bits == 4 else 0,
+                          **({"block_size": block} if blocked else {}))
+        index = list(model.graph.node).index(node)
+        model.graph.node.remove(node)
+        model.graph.node.insert(index, helper.make_node("QMoE", inputs[:-1], list(node.output), node.name,
+                                                        domain="com.microsoft", **attributes))
+    return keep
+
+
+def quantize_blocks(weight: np.ndarray, bits: int, block: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """[E, N, K] fp32 -> (uint8 [E, N, K * bits / 8] with offset 2^(bits-1), two 4-bit values per byte
+    low nibble first; fp32 scales [E, N, K / block], or [E, N] for block None: one per row): symmetric,
+    the max |w| of each block at the top level."""
+    if bits == 4 and weight.shape[-1] % 2:
+        raise ManifestError(f"int4 experts pack two weights per byte: a width of {weight.shape[-1]} is odd")
+    top = 2 ** (bits - 1) - 1
+    blocks = weight.reshape(*weight.shape[:-1], -1, block or weight.shape[-1])
+    scales = np.abs(blocks).max(axis=-1) / top
+    scales[scales == 0] = 1.0
+    q = (np.clip(np.round(blocks / scales[..., None]), -top - 1, top) + 2 ** (bits - 1)).astype(np.uint8)
+    q = q.reshape(weight.shape)
+    if bits == 4:
+        q = q[..., 0::2] | (q[..., 1::2] << 4)
+    scales = scales if block else scales[..., 0]
+    return np.ascontiguousarray(q), scales.astype(np.float32)
 
 
 def gemms_as_matmuls(model):

@@ -71,18 +71,23 @@ def load_model(checkpoint: Path, layout: str, kv: KVDType) -> tuple[ModelSpec, C
     spec = ModelSpec.from_hf_config(config)
     model = build_model(spec, layout, kv)
     expected = {k for k in model.state_dict() if not (spec.tie_word_embeddings and k == "lm_head.weight")}
-    fused = model.fused_weights()
+    fused, stacked = model.fused_weights(), model.stacked_weights()
+    sources = {key for parts in stacked.values()
+               for key in ([parts] if isinstance(parts, str) else [k for expert in parts for k in expert])}
     state: dict[str, torch.Tensor] = {}
     for path in weight_files(checkpoint):
         with safe_open(str(path), framework="pt") as f:  # one tensor at a time: MTP layers and the like stay unread
-            for key in (expected | fused.keys()).intersection(f.keys()):
+            for key in (expected | fused.keys() | sources).intersection(f.keys()):
                 state[key] = f.get_tensor(key).to(torch.float32)
     for key, parts in fused.items():
         if key in state:
             state.update(zip([name for name, _ in parts], state.pop(key).split([rows for _, rows in parts])))
-    missing = sorted(expected - state.keys())
+    missing = sorted(((expected - stacked.keys()) | sources) - state.keys())
     if missing:
         raise ManifestError(f"{checkpoint} lacks weights the architecture needs, e.g. {missing[:3]}")
+    for key, parts in stacked.items():
+        state[key] = state.pop(parts) if isinstance(parts, str) else \
+            torch.stack([torch.cat([state.pop(k) for k in expert]) for expert in parts])
     model.adapt_weights(state, config)  # the family's: DeepSeek-V3's rotary rows, MiniCPM3's scales, Gemma's norms
     model.load_state_dict(state, strict=False)
     return spec, model.eval()

@@ -17,16 +17,32 @@ from pathlib import Path
 # 3: the inplace graph takes packed tokens (positions, row_tokens, chunk_extent, token_slots, logit_index)
 # 4: attention_extent (P, L, D) replaces chunk_extent (P, L): decode queries attend over D positions, not the capacity
 # 5: max_chunk; sliding-window layers hold a ring of ring_tokens(window, max_chunk) positions (CacheTensor.window)
-FORMAT_VERSION = 5
+# 6: mixture-of-experts facts (num_experts, experts_per_token, sparse_layers, ...); sandwich_norms removed
+FORMAT_VERSION = 6
 MANIFEST_FILE = "manifest.json"
 MODEL_FILE = "model.onnx"
 OPSET = 24  # TensorScatter (the in-place KV write) needs opset 24
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "SmolLM3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
-                           "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "MiniCPM3ForCausalLM")
+                           "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "MiniCPM3ForCausalLM",
+                           "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 # Families whose sliding_window applies to every layer when set (Phi-3-mini-4k's 2,047).
-WINDOW_EVERYWHERE = ("MistralForCausalLM", "Phi3ForCausalLM")
+WINDOW_EVERYWHERE = ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM")
+# Mixture-of-experts families (export.model.moe): softmax top-k routing over SwiGLU experts, Qwen2-MoE
+# with a shared expert behind a sigmoid gate. Their config keys for the experts' width and whether the
+# top-k weights are renormalized (Mixtral always does); the expert count is num_local_experts
+# (Mixtral; Qwen3-MoE as transformers 5.24 saves it) or num_experts (Qwen2-MoE, Qwen3-MoE's hub configs).
+MOE_ARCHITECTURES = {
+    "MixtralForCausalLM": ("intermediate_size", None),
+    "Qwen3MoeForCausalLM": ("moe_intermediate_size", "norm_topk_prob"),
+    "Qwen2MoeForCausalLM": ("moe_intermediate_size", "norm_topk_prob"),
+}
+# Why DeepSeek's MoE layers (and any other routing) are not exported: ONNX Runtime's MoE/QMoE CPU
+# kernels route by a softmax over the router logits and its top k only.
+MOE_ROUTING_REFUSED = ("ONNX Runtime's MoE kernels route by softmax top-k only, and DeepSeek's routing (topk_method "
+                       "greedy / group_limited_greedy / noaux_tc, sigmoid scores, routed_scaling_factor) is not "
+                       "that")
 # Gemma 2/3: embeddings x sqrt(hidden), (1 + weight) RMSNorms (folded into the weights at load),
 # four norms per layer, a tanh-GELU GLU, query_pre_attn_scalar's softmax scale, and layers that
 # slide as layer_types says (by default Gemma 2's every other one, Gemma 3's five of six).
@@ -38,6 +54,8 @@ REFUSED_ARCHITECTURES = {
     "Gemma3ForConditionalGeneration": "Gemma3ForConditionalGeneration (Gemma 3 4B-27B: a vision tower beside the "
     "text decoder) is not exported: its text part (text_config, the language_model.* weights) is not read yet; "
     "Gemma3ForCausalLM checkpoints (Gemma 3 270M/1B, text only) export",
+    "GptOssForCausalLM": "GptOssForCausalLM (gpt-oss) is not supported yet: its attention sinks, clamped SwiGLU "
+    "experts with biases and MXFP4 expert weights are not exported",
 }
 # RoPE scalings the exporter computes (export.model.rope.rope_frequencies, transformers 5.24's
 # modeling_rope_utils), and the config keys each reads besides rope_theta.
@@ -92,6 +110,8 @@ RINGS_NO_TENSORRT = ("TensorRT is not built for exports whose sliding-window lay
                      "(every layer then holds every position) to build one")
 MLA_NO_TENSORRT = ("TensorRT is not built for MLA exports: its in-place KVCacheUpdate/attention path was "
                    "written for key/value pairs and no GPU host has validated the latent cache")
+MOE_NO_TENSORRT = ("TensorRT is not built for mixture-of-experts exports: their sparse layers are ONNX Runtime "
+                   "contrib MoE nodes (com.microsoft), which TensorRT's ONNX parser does not take")
 KV_LAYOUTS = ("concat", "inplace")
 # Tokens per KV block: the unit the prefix cache hashes, stores and copies. Measured with
 # `python -m bench --sections prefix_cache` (copy, small-llama fp32, 2 shared cores): copying a
@@ -228,12 +248,10 @@ class ModelSpec:
     # window is in the attention mask; the cache still holds max_seq_len positions for every layer.
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
-    # Gemma 2/3 (GEMMA_LAYER_TYPES): post-attention and pre/post-feedforward norms around the
-    # residual branches; the MLP's activation ("silu" | "gelu_tanh"); what the embeddings are
-    # multiplied by; the softmax scale's query_pre_attn_scalar ** -0.5 (None: head_dim's);
+    # Gemma 2/3 (GEMMA_LAYER_TYPES): the MLP's activation ("silu" | "gelu_tanh"); what the embeddings
+    # are multiplied by; the softmax scale's query_pre_attn_scalar ** -0.5 (None: head_dim's);
     # tanh caps of the attention scores and of the final logits (None: none); the sliding
     # layers' own RoPE base (Gemma 3's local RoPE, unscaled; None: the global one).
-    sandwich_norms: bool = False
     mlp_activation: str = "silu"
     embedding_multiplier: float = 1.0
     query_pre_attn_scalar: float | None = None
@@ -244,11 +262,22 @@ class ModelSpec:
     # (ONNX RotaryEmbedding's rotary_embedding_dim); q/k/v and gate/up come fused in the
     # checkpoint (qkv_proj, gate_up_proj) and are split at load.
     partial_rotary_factor: float = 1.0
+    # Mixture of experts (MOE_ARCHITECTURES): the layers whose MLP is a sparse block (Qwen's
+    # decoder_sparse_step and mlp_only_layers applied; the others keep the dense intermediate_size
+    # MLP), each of num_experts SwiGLU experts of expert_intermediate_size, experts_per_token of
+    # them per token by softmax top-k, the k weights renormalized to sum 1 when norm_topk_prob;
+    # Qwen2-MoE's shared expert (an MLP of shared_expert_intermediate_size, 0: none) behind a sigmoid gate.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self):
         if self.attention not in ATTENTION_KINDS:
             raise ManifestError(f"unknown attention kind {self.attention!r}; choose one of {', '.join(ATTENTION_KINDS)}")
-        for name in ("nope_layers", "sliding_layers"):  # a manifest's JSON gives lists
+        for name in ("nope_layers", "sliding_layers", "sparse_layers"):  # a manifest's JSON gives lists
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
     __hash__ = None  # rope_scaling is a dict: a spec is compared, never hashed
@@ -271,8 +300,9 @@ class ModelSpec:
 
     @property
     def output_bias(self) -> bool:
-        """o_proj's bias: Qwen2's attention biases are q/k/v only; elsewhere attention_bias means all four."""
-        return self.attention_bias and self.architecture != "Qwen2ForCausalLM"
+        """o_proj's bias: Qwen2's (and Qwen2-MoE's) attention biases are q/k/v only; elsewhere attention_bias
+        means all four."""
+        return self.attention_bias and self.architecture not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 
     @property
     def rotary_dim(self) -> int:
@@ -316,6 +346,8 @@ class ModelSpec:
             raise ManifestError(f"{arch}: an MLP with biases (mlp_bias) is not supported")
         if cfg.get("use_bidirectional_attention") and not cache_only:
             raise ManifestError(f"{arch}: use_bidirectional_attention (an encoder's attention) is not supported")
+        refuse_quantized(cfg, arch, cache_only)
+        moe = read_moe(cfg, arch, strict=not cache_only) if arch in MOE_ARCHITECTURES else {}
         rope_cfg, local_theta = gemma3_rope(cfg) if arch == "Gemma3ForCausalLM" else (cfg, None)
         theta, scaling = read_rope(rope_cfg, arch)
         heads = int(cfg["num_attention_heads"])
@@ -334,16 +366,16 @@ class ModelSpec:
             max_positions=max_positions(cfg, scaling),
             rope_theta=theta,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            # Qwen2 has q/k/v biases without saying so in its config.
-            attention_bias=bool(cfg.get("attention_bias") or arch == "Qwen2ForCausalLM"),
+            # Qwen2 has q/k/v biases without saying so in its config; Qwen2-MoE's qkv_bias defaults to true.
+            attention_bias=bool(cfg.get("attention_bias") or arch == "Qwen2ForCausalLM"
+                                or (arch == "Qwen2MoeForCausalLM" and cfg.get("qkv_bias", True))),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             rope_scaling=scaling,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             nope_layers=tuple(i for i, rope in enumerate(smollm3_rope_flags(cfg)) if not rope)
             if arch == "SmolLM3ForCausalLM" else (),
             sliding_window=window,
             sliding_layers=sliding,
-            sandwich_norms=gemma,
             mlp_activation=activation,
             embedding_multiplier=hidden ** 0.5 if gemma else 1.0,
             query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)) if gemma else None,
@@ -353,6 +385,7 @@ class ModelSpec:
                                                  else None)),
             local_rope_theta=local_theta,
             partial_rotary_factor=partial_rotary_factor(cfg),
+            **moe,
         )
 
     @classmethod
@@ -366,14 +399,9 @@ class ModelSpec:
             raise ManifestError(
                 f"{arch} with mixture-of-experts layers is not supported yet: n_routed_experts={experts} and "
                 f"first_k_dense_replace={dense} < num_hidden_layers={layers} make layers {dense}..{layers - 1} "
-                "MoE; only checkpoints whose layers are all dense (first_k_dense_replace >= num_hidden_layers "
-                "or no n_routed_experts) export")
-        quant = cfg.get("quantization_config")
-        if quant and not cache_only:
-            method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-            raise ManifestError(
-                f"{arch} checkpoint has quantization_config (quant_method {method!r}, e.g. DeepSeek's fp8 "
-                "block-scaled weights): only unquantized weights are read; dequantize to bf16/fp32 first")
+                f"MoE, and {MOE_ROUTING_REFUSED}; only checkpoints whose layers are all dense "
+                "(first_k_dense_replace >= num_hidden_layers or no n_routed_experts) export")
+        refuse_quantized(cfg, arch, cache_only)
         if (cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias")) and not cache_only:
             raise ManifestError(f"{arch}: only a SiLU MLP without biases is supported "
                                 f"(hidden_act={cfg.get('hidden_act')!r}, mlp_bias={cfg.get('mlp_bias')})")
@@ -400,6 +428,40 @@ class ModelSpec:
             q_lora_rank=int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None,
             qk_nope_head_dim=int(cfg["qk_nope_head_dim"]), qk_rope_head_dim=dr,
             v_head_dim=int(cfg["v_head_dim"]), rope_interleave=interleave, rope_scaling=yarn)
+
+
+def refuse_quantized(cfg: dict, arch: str, cache_only: bool) -> None:
+    """Only unquantized weights are read: a quantization_config (DeepSeek's and Qwen3's fp8, gpt-oss's
+    MXFP4, GPTQ/AWQ) is refused, naming its method."""
+    quant = cfg.get("quantization_config")
+    if quant and not cache_only:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise ManifestError(
+            f"{arch} checkpoint has quantization_config (quant_method {method!r}, e.g. DeepSeek's fp8 "
+            "block-scaled weights): only unquantized weights are read; dequantize to bf16/fp32 first")
+
+
+def read_moe(cfg: dict, arch: str, strict: bool = True) -> dict:
+    """The ModelSpec's mixture-of-experts fields (MOE_ARCHITECTURES' keys), the sparse layers as
+    transformers 5.24 chooses them: Qwen's layer i is sparse unless it is in mlp_only_layers or
+    (i + 1) is not a multiple of decoder_sparse_step; Mixtral's every layer. strict: refuse what
+    the export does not compute (a routing other than softmax top-k, Qwen's sliding windows)."""
+    width_key, norm_key = MOE_ARCHITECTURES[arch]
+    layers, k = int(cfg["num_hidden_layers"]), int(cfg.get("num_experts_per_tok") or 0)
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    if not 0 < k <= experts:
+        raise ManifestError(f"{arch}: num_experts_per_tok={k} must be in 1..{experts}, the experts "
+                            "(num_local_experts or num_experts)")
+    if strict and cfg.get("use_sliding_window") and arch != "MixtralForCausalLM":
+        raise ManifestError(f"{arch}: use_sliding_window is not supported for mixture-of-experts checkpoints yet")
+    if strict and (cfg.get("scoring_func", "softmax") != "softmax" or cfg.get("topk_method") or cfg.get("n_group")):
+        raise ManifestError(f"{arch}: routing other than softmax top-k is not supported yet: {MOE_ROUTING_REFUSED}")
+    step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or ())
+    return {"num_experts": experts, "experts_per_token": k, "expert_intermediate_size": int(cfg[width_key]),
+            "norm_topk_prob": True if norm_key is None else bool(cfg.get(norm_key, False)),
+            "sparse_layers": tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
+            "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size") or 0)
+            if arch == "Qwen2MoeForCausalLM" else 0}
 
 
 def read_rope(cfg: dict, arch: str) -> tuple[float, dict | None]:

@@ -9,6 +9,7 @@ one short file per family saying what differs from Llama's.
     mla.py        DeepSeek's Multi-head Latent Attention over a latent cache
     llama.py      the decoder every family starts from (Llama, Mistral, Qwen2, Qwen3, SmolLM3)
     gemma.py      Gemma 2/3     phi3.py  Phi-3/3.5/4     deepseek.py  DeepSeek-V2/V3, MiniCPM3
+    moe.py        Mixtral, Qwen3-MoE, Qwen2-MoE: sparse layers as one ONNX Runtime MoE node each
 
 Module and parameter names match Hugging Face checkpoints, so a safetensors state dict loads as
 is (after the family's adapt_weights). The cache is passed in and returned as flat tensors in the
@@ -33,6 +34,7 @@ from export.model.deepseek import DeepseekForCausalLM
 from export.model.gemma import GemmaForCausalLM
 from export.model.llama import CausalLM
 from export.model.mla import decompresses
+from export.model.moe import MoEForCausalLM
 from export.model.phi3 import Phi3ForCausalLM
 from export.model.rope import rope_frequencies
 from kvforge.manifest import KVDType, ModelSpec
@@ -40,7 +42,8 @@ from kvforge.manifest import KVDType, ModelSpec
 __all__ = ["CausalLM", "FAMILIES", "build_model", "decompresses", "rope_frequencies"]
 
 # architecture -> the model class that exports it (kvforge.manifest.SUPPORTED_ARCHITECTURES)
-FAMILIES = {arch: family for family in (CausalLM, GemmaForCausalLM, Phi3ForCausalLM, DeepseekForCausalLM)
+FAMILIES = {arch: family for family in (CausalLM, GemmaForCausalLM, Phi3ForCausalLM, DeepseekForCausalLM,
+                                                       MoEForCausalLM)
             for arch in family.architectures}
 
 

@@ -1,5 +1,5 @@
 """The blocks every family's decoder layer is made of besides attention: the RMSNorm, several
-projections of one input as one MatMul, and the gated MLP."""
+projections of one input as one MatMul, and the gated MLP (export.model.moe: the sparse one)."""
 from __future__ import annotations
 
 import torch
@@ -29,14 +29,15 @@ def packed_linear(x: torch.Tensor, layers: list[nn.Linear]) -> tuple[torch.Tenso
 
 
 class MLP(nn.Module):
-    """down(act(gate) * up): SiLU (Llama's family) or tanh-approximated GELU (Gemma's, one ONNX Gelu)."""
+    """down(act(gate) * up): SiLU (Llama's family) or tanh-approximated GELU (Gemma's, one ONNX Gelu);
+    width: the intermediate size (a dense layer's, or Qwen2-MoE's shared expert's)."""
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, width: int):
         super().__init__()
         self.gelu = spec.mlp_activation == "gelu_tanh"
-        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(spec.hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, spec.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = packed_linear(x, [self.gate_proj, self.up_proj])

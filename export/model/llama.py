@@ -24,10 +24,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = self.make_attention(spec, layer)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)  # the one place a layer's MLP is chosen, for every family
+        self.mlp = self.make_feed_forward(spec, layer)
 
     def make_attention(self, spec: ModelSpec, layer: int) -> nn.Module:
         return Attention(spec, layer)
+
+    def make_feed_forward(self, spec: ModelSpec, layer: int) -> nn.Module:
+        """The one place a layer's MLP is chosen (export.model.moe: sparse or dense by layer)."""
+        return MLP(spec, spec.intermediate_size)
 
     def forward(self, x, cos, sin, cache, kv, step):
         attn, present = self.self_attn(self.input_layernorm(x), cos, sin, cache, kv, step)
@@ -72,6 +76,12 @@ class CausalLM(nn.Module):
     def fused_weights(self) -> dict[str, list[tuple[str, int]]]:
         """Checkpoint tensors holding several of the modules' weights stacked by rows: name ->
         [(module weight, rows), ...], split at load (Phi-3's)."""
+        return {}
+
+    def stacked_weights(self) -> dict[str, list[list[str]] | str]:
+        """Module weights gathered from several checkpoint tensors: name -> per expert, the checkpoint
+        tensors concatenated by rows, stacked into [experts, ...] at load; or -> the one checkpoint
+        tensor it is under another name (export.model.moe's)."""
         return {}
 
     def adapt_weights(self, state: dict[str, torch.Tensor], config: dict) -> None:
