@@ -145,17 +145,12 @@ def family_checkpoints(tmp_path_factory, family_tokenizer_dir):
     INSTRUCT families' with their chat (make_instruct)."""
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("families-checkpoints")
     prompt = np.random.default_rng(0).integers(3, VOCAB, PROMPT_TOKENS).tolist()
     made = {}
     for family in FAMILIES:
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(hf_config(family)).eval()
-        with torch.no_grad():  # logits that spread over a few units: no near-ties among greedy tokens
-            for name, p in model.named_parameters():
-                p.normal_(1.0, 0.1) if p.dim() == 1 and "norm" in name else p.normal_(0.0, 0.1)
+        model = random_model(hf_config(family))
         directory = root / family
         if family == "llama3.1":  # shards and their index, and Mistral-style consolidated weights beside them
             model.save_pretrained(directory, max_shard_size="200KB")
@@ -169,6 +164,20 @@ def family_checkpoints(tmp_path_factory, family_tokenizer_dir):
         made[family] = Checkpoint(directory, prompt, *greedy_reference(model, prompt),
                                   chat=make_instruct(directory, model, *INSTRUCT[family]) if family in INSTRUCT else None)
     return made
+
+
+def random_model(config):
+    """transformers' model of a config, seeded: norms N(1, 0.1), every other weight
+    N(0, 0.1), so the logits spread over a few units (no near-ties among greedy tokens)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0, 0.1) if p.dim() == 1 and "norm" in name else p.normal_(0.0, 0.1)
+    return model
 
 
 def make_instruct(directory: Path, model, template: str, body: dict) -> Chat:

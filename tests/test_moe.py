@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvforge.manifest import Manifest, ManifestError, ModelSpec
-from tests.families import COMMON, EXPORT_CONTEXT, NEW_TOKENS, PROMPT_TOKENS, VOCAB, greedy_reference
+from tests.families import COMMON, EXPORT_CONTEXT, NEW_TOKENS, PROMPT_TOKENS, VOCAB, greedy_reference, random_model
 
 LOGPROB_TOLERANCE = 2e-3
 MOE = dict(num_experts_per_tok=2)
@@ -52,18 +52,11 @@ def experts_routed(model, tokens: list[int]) -> set[tuple[int, int]]:
 @pytest.fixture(scope="module")
 def moe_checkpoints(tmp_path_factory, family_tokenizer_dir):
     """name -> (dir, prompt, transformers' greedy tokens, their log p, the model)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     root = tmp_path_factory.mktemp("moe-checkpoints")
     prompt = np.random.default_rng(0).integers(3, VOCAB, PROMPT_TOKENS).tolist()
     made = {}
     for name in CHECKPOINTS:
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(hf_config(name)).eval()
-        with torch.no_grad():
-            for key, p in model.named_parameters():
-                p.normal_(1.0, 0.1) if p.dim() == 1 and "norm" in key else p.normal_(0.0, 0.1)
+        model = random_model(hf_config(name))
         directory = root / name
         model.save_pretrained(directory)
         for file in ("tokenizer.json", "tokenizer_config.json"):
