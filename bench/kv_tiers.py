@@ -142,8 +142,8 @@ def admission(engine_dir, model: str, texts: Texts, params: Params, s: Shape) ->
             "output_share_of_max_tokens": round(results["optimistic"]["mean_output_tokens"] / s.admission_max_tokens, 3)}
 
 
-def document_run(engine, prompts: list[str], s: Shape, after=None) -> dict:
-    """The prompts in order at document_concurrency; after(n) is called once n requests have completed."""
+def document_run(engine, prompts: list, concurrency: int, max_tokens: int, after=None) -> dict:
+    """The prompts in order, `concurrency` in flight; after(n) is called once n requests have completed."""
     results, order, lock, completed = [None] * len(prompts), iter(range(len(prompts))), threading.Lock(), [0]
 
     def worker():
@@ -153,7 +153,7 @@ def document_run(engine, prompts: list[str], s: Shape, after=None) -> dict:
             if i is None:
                 return
             try:
-                results[i] = engine_request(engine, prompts[i], s.answer_tokens)
+                results[i] = engine_request(engine, prompts[i], max_tokens)
             except Exception as e:  # a lost request is a result here, not a crash
                 results[i] = {"error": str(e)[:200]}
             with lock:
@@ -163,7 +163,7 @@ def document_run(engine, prompts: list[str], s: Shape, after=None) -> dict:
                 after(n)
 
     began = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(s.document_concurrency)]
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     for t in threads:
         t.start()
     for t in threads:
@@ -194,7 +194,7 @@ def long_documents(engine, texts: Texts, s: Shape, redis_server, disk: str) -> d
                 redis_server.kill()
                 killed["after_requests"] = n
         try:
-            run = document_run(e, prompts, s, kill)
+            run = document_run(e, prompts, s.document_concurrency, s.answer_tokens, kill)
             stats = e.stats()
         finally:
             e.close()

@@ -91,23 +91,23 @@ def mapped(engine):
 
 
 def engine_request(engine, prompt: str, max_tokens: int) -> dict:
-    """One greedy request: TTFT (s), total time (s), generated text and token count, cached tokens."""
+    """One greedy request: TTFT (s), total time (s), generated text, token ids and count, cached tokens."""
     from runtime.llm_engine import SamplingParams
 
     outputs: queue.Queue = queue.Queue()
     began = time.perf_counter()
     engine.submit(prompt, SamplingParams(max_tokens=max_tokens), lambda out: outputs.put((time.perf_counter(), out)))
-    first, text, tokens = None, "", 0
+    first, text, ids = None, "", []
     while True:
         t, out = outputs.get(timeout=600)
         if out.error:
             raise RuntimeError(out.error)
         if out.token_ids and first is None:
             first = t - began
-        text, tokens = text + out.text, tokens + len(out.token_ids)
+        text, ids = text + out.text, ids + list(out.token_ids)
         if out.finished:
             return {"ttft_s": first if first is not None else t - began, "total_s": t - began, "text": text,
-                    "tokens": tokens, "cached_tokens": out.cached_tokens}
+                    "token_ids": ids, "tokens": len(ids), "cached_tokens": out.cached_tokens}
 
 
 def triton_request(client, prompt: str, max_tokens: int) -> dict:
