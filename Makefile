@@ -63,7 +63,7 @@ ifneq ($(KV_REDIS_URL),)
 export KVFORGE_KV_REDIS_URL := $(KV_REDIS_URL)
 endif
 
-.PHONY: setup export verify build-engines repository serve run fleet test test-bench bench bench-long-context soak redis redis-cluster clean
+.PHONY: setup export verify build-engines repository serve run fleet test test-bench bench bench-long-context bench-long-doc-qa soak redis redis-cluster clean
 
 setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -160,6 +160,20 @@ bench-long-context: setup
 	$(MAKE) $(LONG_EXPORT)/manifest.json MODEL=long-llama MAX_SEQ_LEN=131072 EXPORT_DIR=$(LONG_EXPORT)
 	$(PY) -m bench.long_context $(LONG_EXPORT) --tiers --tokens $(LONG_TOKENS)
 	$(PY) -m bench.long_context $(LONG_EXPORT) --tokens $(LONG_TOKENS)
+
+# issue 41, long-document QA on the same export: DOCS documents of DOC_TOKENS tokens, a warm-up pass (not counted),
+# DOC_QUESTIONS question rounds at DOC_CONCURRENCY; no caching vs RAM only (host pool DOC_POOL documents, empty:
+# max(concurrency, DOCS - 1)) vs tiers (+ disk + loopback Redis); results/long_doc_qa.json, .png. At 32K tokens the
+# no-caching run alone prefills (1 + DOC_QUESTIONS) x DOCS documents cold (~26 s each on 2 cores)
+DOCS ?= 4
+DOC_TOKENS ?= 32768
+DOC_QUESTIONS ?= 2
+DOC_CONCURRENCY ?= 2
+DOC_POOL ?=
+bench-long-doc-qa: setup
+	$(MAKE) $(LONG_EXPORT)/manifest.json MODEL=long-llama MAX_SEQ_LEN=131072 EXPORT_DIR=$(LONG_EXPORT)
+	$(PY) -m bench.long_context $(LONG_EXPORT) --doc-qa --docs $(DOCS) --doc-tokens $(DOC_TOKENS) \
+		--questions $(DOC_QUESTIONS) --concurrency $(DOC_CONCURRENCY) $(if $(DOC_POOL),--pool-documents $(DOC_POOL),)
 
 clean:
 	rm -rf build results model_repository/*/config.pbtxt model_repository/*/1/engine

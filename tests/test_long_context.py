@@ -167,3 +167,26 @@ def test_the_tier_table_bench_serves_each_length_from_every_tier(long_dir, tmp_p
         assert row["ram_cached_tokens"] >= row["tokens"] - block, row
     tier_report(result, tmp_path / "tiers.json")
     assert (tmp_path / "tiers.png").stat().st_size > 0
+
+
+def test_long_document_qa_answers_the_same_from_every_configuration(long_dir, patient, tmp_path):
+    """bench.long_context --doc-qa on the tiny preset: 3 documents of 320 tokens, a host pool of
+    2 (RAM alone must evict), 2 question rounds at concurrency 2. Every configuration's greedy
+    tokens equal no caching's; RAM only evicted; the tiers run read documents back from a tier.
+    `patient` pins the load deadline, so a tier hit does not depend on this machine's speed."""
+    from bench.long_context import QA_CONFIGURATIONS, doc_qa, doc_qa_report
+
+    result = doc_qa(long_dir, docs=3, doc_tokens=320, questions=2, concurrency=2, answer_tokens=3,
+                    pool_documents=None, threads=1, scores_bytes=64 << 20)
+    runs = result["configurations"]
+    assert list(runs) == list(QA_CONFIGURATIONS) and result["correct"], runs
+    assert result["pool_documents"] == 2 and result["kv_host_bytes"] < result["working_set_bytes"]
+    for name, r in runs.items():
+        assert (r["requests"], r["completed"], r["errors"]) == (6, 6, []), (name, r)
+        assert r["same_tokens_as_no_caching"] and r["differing_requests"] == [], (name, r)
+    assert runs["no caching"]["cached_tokens"] == 0
+    assert runs["RAM only"]["ram_evicted_blocks"] > 0
+    tiers = runs["tiers"]["hit_tokens"]
+    assert tiers.keys() == {"ram", "disk", "redis"} and tiers["disk"] + tiers["redis"] > 0, tiers
+    doc_qa_report(result, tmp_path / "doc_qa.json")
+    assert (tmp_path / "doc_qa.png").stat().st_size > 0
