@@ -313,12 +313,12 @@ def doc_qa(engine_dir: Path, docs: int, doc_tokens: int, questions: int, concurr
             r = runs[name]
             say(f"doc-qa: {name}: {r['seconds']:.1f} s, {r['requests_per_s']:.3f} requests/s, TTFT mean "
                 f"{r['ttft_mean_ms']:.0f} ms (warm-up {r['warm_up']['seconds']:.1f} s, not counted)")
-    reference = runs["no caching"]["token_ids"]
+    reference, base = runs["no caching"]["token_ids"], runs["no caching"]["requests_per_s"] or math.nan
     for name, r in runs.items():
         ids = r.pop("token_ids")
         r["differing_requests"] = [i for i, (a, b) in enumerate(zip(ids, reference)) if a is None or a != b]
         r["same_tokens_as_no_caching"] = not r["differing_requests"]
-        r["speedup_vs_no_caching"] = round(r["requests_per_s"] / runs["no caching"]["requests_per_s"], 2)
+        r["speedup_vs_no_caching"] = round(r["requests_per_s"] / base, 2)
     return dict(engine_dir=str(engine_dir), documents=docs, document_tokens=doc_tokens, questions=questions,
                 question_tokens=[len(question(tokenizer, q)) for q in range(questions + 1)],
                 concurrency=concurrency, answer_tokens=answer_tokens, kv_bytes_per_token=kv,
