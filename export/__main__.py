@@ -17,6 +17,9 @@ from kvforge import env
 from kvforge.cli import atomic_directory, fail_cleanly, progress
 
 CHECKPOINT_CACHE = Path(os.environ.get(env.CHECKPOINTS, "build/checkpoints"))
+PARITY_SLICE = "parity-slice"
+PARITY_SLICE_GIB = 4.0  # about 1B parameters in float32
+PARITY_SLICE_LAYERS = 2
 
 
 def resolve_model(model: str) -> Path:
@@ -43,10 +46,16 @@ def library_versions() -> dict:
 
 
 def export(model: str, out: Path, kv_layout: str, kv_dtype: str, max_seq_len: int | None,
-           max_chunk: int | None = None) -> Manifest:
+           max_chunk: int | None = None, layers: int | None = None,
+           parity_slice_gib: float = PARITY_SLICE_GIB) -> Manifest:
     """max_chunk: the most tokens a step may write per row, for a model with sliding windows
     (default DEFAULT_MAX_CHUNK; none for one without): their layers then hold a ring of the
-    window plus one chunk (kvforge.manifest.ring_tokens), not max_seq_len positions."""
+    window plus one chunk (kvforge.manifest.ring_tokens), not max_seq_len positions. layers: the
+    checkpoint's first decoder layers only (a parity slice).
+
+    An export whose weights pass parity_slice_gib also holds a slice of itself (the first
+    PARITY_SLICE_LAYERS layers, in out/parity-slice): what the engine build's parity gate and
+    export.verify run, since two copies of a 7-8B model's float32 weights do not fit in RAM."""
     from export import checkpoint
     from export.onnx_export import export_onnx
 
@@ -54,7 +63,11 @@ def export(model: str, out: Path, kv_layout: str, kv_dtype: str, max_seq_len: in
     started = time.perf_counter()
     with progress(f"resolving model {model}"):
         source = resolve_model(model)
-        spec = ModelSpec.from_hf_config(checkpoint.read_config(source))
+        config = checkpoint.read_config(source)
+        if layers is not None:
+            config = {**config, "num_hidden_layers": layers,
+                      **({"layer_types": config["layer_types"][:layers]} if "layer_types" in config else {})}
+        spec = ModelSpec.from_hf_config(config)
         check_attention_dtype(spec, kv_dtype)
         tokenizer = checkpoint.tokenizer_info(source)
     max_seq_len = max_seq_len if max_seq_len is not None else spec.max_positions
@@ -68,22 +81,34 @@ def export(model: str, out: Path, kv_layout: str, kv_dtype: str, max_seq_len: in
     manifest = Manifest(model=spec, kv_layout=kv_layout, kv_dtype=kv_dtype, max_seq_len=max_seq_len,
                         tokenizer=tokenizer, source={}, versions=library_versions(), max_chunk=max_chunk)
     with atomic_directory(out) as tmp:
-        with progress("loading safetensors weights"):
-            _, torch_model = checkpoint.load_model(source, kv_layout, KV_DTYPES[kv_dtype])
+        calibrated = KV_DTYPES[kv_dtype].scale == "per-channel"
+        with progress("reading the checkpoint's safetensors index"):
+            if calibrated:  # runs the model: its weights in memory
+                _, torch_model = checkpoint.load_model(source, kv_layout, KV_DTYPES[kv_dtype])
+            else:
+                torch_model = checkpoint.skeleton(spec, kv_layout, KV_DTYPES[kv_dtype])
             torch_model.hold_rings(layer_rings(spec, max_seq_len, max_chunk))
+            weights = checkpoint.CheckpointWeights(source, torch_model, config)
             manifest.source = {"path": str(Path(source).resolve()), "sha256": checkpoint.fingerprint(source)}
-        if KV_DTYPES[kv_dtype].scale == "per-channel":
+        if calibrated:
             from export.calibrate import calibrate, calibration_ids
 
             with progress("calibrating static KV scales"):
                 manifest.source["kv_calibration"] = calibrate(torch_model, calibration_ids(source))
-        with progress(f"tracing to ONNX (opset {manifest.opset}, {kv_layout} layout, {kv_dtype} KV)"):
-            export_onnx(torch_model, manifest, tmp / manifest.onnx_file)
+        with progress(f"tracing to ONNX (opset {manifest.opset}, {kv_layout} layout, {kv_dtype} KV), "
+                      f"then writing the weights a layer at a time"):
+            export_onnx(torch_model, manifest, tmp / manifest.onnx_file, weights)
         for name in tokenizer["files"]:
             shutil.copy2(Path(source) / name, tmp / name)
+        weight_bytes = (tmp / (manifest.onnx_file + ".data")).stat().st_size
+        if layers is None and weight_bytes > parity_slice_gib * 2**30 and spec.num_layers > PARITY_SLICE_LAYERS:
+            with progress(f"{weight_bytes / 2**30:.1f} GiB of weights: exporting the first {PARITY_SLICE_LAYERS} "
+                          f"layers as its parity slice"):
+                export(str(source), tmp / PARITY_SLICE, kv_layout, kv_dtype, max_seq_len, max_chunk, PARITY_SLICE_LAYERS)
+            manifest.source["parity_slice"] = {"directory": PARITY_SLICE, "layers": PARITY_SLICE_LAYERS}
         manifest.versions["export_seconds"] = round(time.perf_counter() - started, 2)
         manifest.save(tmp)
-    size = sum(f.stat().st_size for f in out.iterdir())
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     print(f"exported {out} ({size / 2**20:.1f} MiB, KV {manifest.kv_bytes_per_token} bytes/token) "
           f"in {manifest.versions['export_seconds']:.1f} s", file=sys.stderr)
     return manifest
@@ -99,8 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-chunk", type=int, default=None,
                         help=f"sliding-window models: the most tokens a step writes per row; each sliding layer "
                              f"holds its window + this - 1 positions (default {DEFAULT_MAX_CHUNK})")
+    parser.add_argument("--parity-slice-gib", type=float, default=PARITY_SLICE_GIB,
+                        help=f"above this many GiB of weights, also export the first {PARITY_SLICE_LAYERS} layers as "
+                             f"the slice the engine's parity gate and export.verify run (default {PARITY_SLICE_GIB:g})")
     args = parser.parse_args(argv)
-    export(args.model, args.out, args.kv_layout, args.kv_dtype, args.max_seq_len, args.max_chunk)
+    export(args.model, args.out, args.kv_layout, args.kv_dtype, args.max_seq_len, args.max_chunk,
+           parity_slice_gib=args.parity_slice_gib)
     return 0
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from kvforge.manifest import KVDType, ManifestError, ModelSpec
 from export.model import CausalLM, build_model
@@ -66,31 +67,98 @@ def fingerprint(checkpoint: Path) -> str:
     return digest.hexdigest()
 
 
+class CheckpointWeights:
+    """A checkpoint's tensors as `model`'s parameters compute with them (float32, fused rows split,
+    experts stacked, the family's adapt_weights applied), read a few at a time: exporting holds
+    one layer's weights, never the model's. Every needed tensor is checked present up front."""
+
+    def __init__(self, checkpoint: Path, model: CausalLM, config: dict):
+        self.checkpoint, self.model, self.config = Path(checkpoint), model, config
+        # a tied lm_head is the embedding table under another name (the exporter may use either)
+        self.alias = {"lm_head.weight": "model.embed_tokens.weight"} if model.spec.tie_word_embeddings else {}
+        self.expected = list(model.state_dict())
+        self.stacked, self.fused = model.stacked_weights(), model.fused_weights()
+        self.split = {name: key for key, parts in self.fused.items() for name, _ in parts}
+        self.file_of: dict[str, Path] = {}
+        for path in weight_files(checkpoint):
+            with safe_open(str(path), framework="pt") as f:  # the header only
+                self.file_of.update((key, path) for key in f.keys())
+        needed = {key for name in self.expected for key in self.sources(name)}
+        missing = sorted(needed - self.file_of.keys())
+        if missing:
+            raise ManifestError(f"{checkpoint} lacks weights the architecture needs, e.g. {missing[:3]}")
+
+    def sources(self, name: str) -> list[str]:
+        """The checkpoint tensors parameter `name` is made of."""
+        name = self.alias.get(name, name)
+        parts = self.stacked.get(name)
+        if parts is not None:
+            return [parts] if isinstance(parts, str) else [k for expert in parts for k in expert]
+        if name in self.split:
+            return [self.split[name]]
+        return [name]
+
+    def groups(self) -> list[list[str]]:
+        """The parameters in read order, a decoder layer's together (what adapt_weights rewrites
+        together never spans two layers), every other tensor on its own."""
+        layers: dict[str, list[str]] = {}
+        for name in self.expected:
+            head = name.split(".")
+            key = ".".join(head[:3]) if head[:2] == ["model", "layers"] else name
+            layers.setdefault(key, []).append(name)
+        return list(layers.values())
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Parameter name -> float32 tensor, for `names`."""
+        keys = sorted({key for name in names for key in self.sources(name)})
+        raw: dict[str, torch.Tensor] = {}
+        for path in sorted({self.file_of[key] for key in keys}):
+            with safe_open(str(path), framework="pt") as f:
+                for key in keys:
+                    if self.file_of[key] == path:
+                        raw[key] = f.get_tensor(key).to(torch.float32)
+        state: dict[str, torch.Tensor] = {}
+        for key, parts in self.fused.items():
+            if key in raw:
+                state.update(zip([name for name, _ in parts], raw.pop(key).split([rows for _, rows in parts])))
+        for name in {self.alias.get(name, name) for name in names}:
+            parts = self.stacked.get(name)
+            if parts is not None:
+                state[name] = raw.pop(parts) if isinstance(parts, str) else \
+                    torch.stack([torch.cat([raw.pop(k) for k in expert]) for expert in parts])
+        state.update(raw)
+        # the family's: DeepSeek-V3's rotary rows, MiniCPM3's scales, Gemma's norms (each per tensor)
+        self.model.adapt_weights(state, self.config)
+        return {name: state[self.alias.get(name, name)] for name in names}
+
+
+def skeleton(spec: ModelSpec, layout: str, kv: KVDType) -> CausalLM:
+    """The model with its parameters allocated but never written (no page of them is touched, so
+    they cost no memory): what tracing needs, since the graph depends on shapes only. Buffers
+    (the static KV scales) start at one, as a built model's do."""
+    with torch.device("meta"):
+        model = build_model(spec, layout, kv)
+    allocated: dict[int, nn.Parameter] = {}  # by the meta parameter: a tied lm_head stays the embedding table
+    for module in model.modules():
+        for name, parameter in module._parameters.items():
+            if parameter is not None:
+                if id(parameter) not in allocated:
+                    allocated[id(parameter)] = nn.Parameter(torch.empty(parameter.shape), requires_grad=False)
+                module._parameters[name] = allocated[id(parameter)]
+        for name, buffer in module._buffers.items():
+            module._buffers[name] = torch.ones(buffer.shape)
+    return model.eval()
+
+
 def load_model(checkpoint: Path, layout: str, kv: KVDType) -> tuple[ModelSpec, CausalLM]:
+    """The model with all of the checkpoint's weights in memory (calibration and tests)."""
     config = read_config(checkpoint)
     spec = ModelSpec.from_hf_config(config)
-    model = build_model(spec, layout, kv)
-    expected = {k for k in model.state_dict() if not (spec.tie_word_embeddings and k == "lm_head.weight")}
-    fused, stacked = model.fused_weights(), model.stacked_weights()
-    sources = {key for parts in stacked.values()
-               for key in ([parts] if isinstance(parts, str) else [k for expert in parts for k in expert])}
-    state: dict[str, torch.Tensor] = {}
-    for path in weight_files(checkpoint):
-        with safe_open(str(path), framework="pt") as f:  # one tensor at a time: MTP layers and the like stay unread
-            for key in (expected | fused.keys() | sources).intersection(f.keys()):
-                state[key] = f.get_tensor(key).to(torch.float32)
-    for key, parts in fused.items():
-        if key in state:
-            state.update(zip([name for name, _ in parts], state.pop(key).split([rows for _, rows in parts])))
-    missing = sorted(((expected - stacked.keys()) | sources) - state.keys())
-    if missing:
-        raise ManifestError(f"{checkpoint} lacks weights the architecture needs, e.g. {missing[:3]}")
-    for key, parts in stacked.items():
-        state[key] = state.pop(parts) if isinstance(parts, str) else \
-            torch.stack([torch.cat([state.pop(k) for k in expert]) for expert in parts])
-    model.adapt_weights(state, config)  # the family's: DeepSeek-V3's rotary rows, MiniCPM3's scales, Gemma's norms
-    model.load_state_dict(state, strict=False)
-    return spec, model.eval()
+    model = skeleton(spec, layout, kv)
+    weights = CheckpointWeights(checkpoint, model, config)
+    for names in weights.groups():
+        model.load_state_dict(weights.read(names), strict=False)
+    return spec, model
 
 
 def tokenizer_info(checkpoint: Path) -> dict:

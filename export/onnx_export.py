@@ -6,11 +6,14 @@ import warnings
 from pathlib import Path
 
 import onnx
+import onnx_ir as ir
 import onnxscript.optimizer
 import torch
 
-from kvforge.manifest import OPSET, Manifest, TensorSpec
+from kvforge.manifest import OPSET, Manifest, ManifestError, TensorSpec
+from export.checkpoint import CheckpointWeights
 from export.model import CausalLM
+from kvforge.onnx_weights import WeightWriter
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8,
                 "uint8": torch.uint8, "int64": torch.int64, "float8e4m3fn": torch.float8_e4m3fn}
@@ -21,7 +24,6 @@ EXAMPLE_SIZES = {"batch": 2, "seq": 3, "tokens": 6, "kept": 4, "past": 5, "total
 # index [3 chunk, 2 decode].
 EXAMPLE_STEP = {"positions": [0, 1, 2, 7, 8, 9], "write_positions": [0, 7], "row_tokens": [[0, 1, 2], [3, 0, 0]],
                 "attention_extent": [1, 3, 8], "token_slots": [0, 1, 2, 4, 4, 4], "logit_index": [2, 3, 0, 1]}
-EXTERNAL_DATA_BYTES = 1 << 30  # protobuf cannot hold more than 2 GiB; keep weights beside it well before
 FOLD_LIMIT = 1 << 40  # elements: fold weight-only subgraphs whatever their size
 
 
@@ -40,7 +42,9 @@ def example_input(t: TensorSpec) -> torch.Tensor:
     return torch.zeros(shape, dtype=TORCH_DTYPES[t.dtype])
 
 
-def export_onnx(model: CausalLM, manifest: Manifest, path: Path) -> None:
+def export_onnx(model: CausalLM, manifest: Manifest, path: Path, weights: CheckpointWeights) -> None:
+    """Trace `model` (its parameters need only their shapes: export.checkpoint.skeleton), then write
+    the checkpoint's weights beside the graph a decoder layer at a time (write_weights)."""
     inputs, outputs = manifest.io()
     args = tuple(example_input(t) for t in inputs)
     dims = {name: torch.export.Dim(name, min=1) for name in ("batch", "seq", "tokens", "kept", "total", "capacity")}
@@ -54,17 +58,123 @@ def export_onnx(model: CausalLM, manifest: Manifest, path: Path) -> None:
         program = torch.onnx.export(
             model, args, dynamo=True, opset_version=OPSET, dynamic_shapes=dynamic_shapes,
             input_names=[t.name for t in inputs], output_names=[t.name for t in outputs],
-            optimize=True, verbose=False, report=False)
-    # The packed q/k/v and gate/up weights are exported as Concat (+ Transpose) of the checkpoint's
-    # tensors; fold them into single initializers so every consumer sees MatMul(x, W): the weight
-    # quantizer, TensorRT's weight cast and the op check (the exporter's own folding stops at 256K elements).
+            optimize=False, verbose=False, report=False)
+    # The parameters become graph inputs while the graph is optimized, so that nothing reads their
+    # (unwritten) values: what the export does to weights (the Concat of q/k/v and gate/up, the
+    # Transpose of every Linear) stays as nodes over them, for write_weights to run per layer.
+    graph = program.model.graph
+    canonical: dict[int, str] = {}  # a tied lm_head is the embedding table: one initializer
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        first = canonical.setdefault(id(parameter), name)
+        if first != name and name in graph.initializers and first in graph.initializers:
+            ir.convenience.replace_all_uses_with(graph.initializers.pop(name), graph.initializers[first])
+    parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    for name in [name for name in graph.initializers if name in parameters]:
+        value = graph.initializers.pop(name)
+        value.const_value = None
+        graph.inputs.append(value)
+    unwritten = {parameter.data_ptr() for parameter in model.parameters()}
+    for name, value in graph.initializers.items():  # a parameter under a name of the exporter's own
+        raw = getattr(value.const_value, "raw", None)
+        if isinstance(raw, torch.Tensor) and raw.data_ptr() in unwritten:
+            raise ManifestError(f"the exporter names a parameter {name!r}; no checkpoint tensor is known by that name")
+    program.optimize()
+    # and what else is constant (RoPE tables and the like) folded whatever its size (the optimizer stops at 256K elements)
     onnxscript.optimizer.fold_constants(program.model, input_size_limit=FOLD_LIMIT, output_size_limit=FOLD_LIMIT)
     onnxscript.optimizer.remove_unused_nodes(program.model)
-    proto = program.model_proto
+    proto = ir.serde.serialize_model(program.model)
+    write_weights(proto, path, weights)
     _name_symbolic_dims(proto, inputs, outputs)
-    large = sum(t.ByteSize() for t in proto.graph.initializer) > EXTERNAL_DATA_BYTES
-    onnx.save(proto, str(path), save_as_external_data=large, all_tensors_to_one_file=True,
-              location=path.name + ".data")
+    onnx.save(proto, str(path))
+
+
+def write_weights(proto: onnx.ModelProto, path: Path, weights: CheckpointWeights) -> None:
+    """Replace the weight inputs and the nodes computing only from them with initializers in
+    path's data file (where the graph's other large constants go too), computed one group of
+    export.checkpoint.CheckpointWeights at a time: the
+    process holds about one decoder layer's weights twice (as read, as transformed), whatever
+    the model's size. Every consumer then sees MatMul(x, W) with W one initializer: the weight
+    quantizer, TensorRT's weight cast and the op check."""
+    graph = proto.graph
+    group_of = {name: i for i, names in enumerate(weights.groups()) for name in names}
+    sources = [value.name for value in graph.input if value.name in group_of]
+    constants = {t.name: t for t in graph.initializer}
+    derived, transforms = set(sources), []
+    for node in graph.node:  # in topological order
+        names = [name for name in node.input if name]
+        if any(name in derived for name in names) and all(name in derived or name in constants for name in names):
+            transforms.append(node)
+            derived.update(node.output)
+    transform_ids = {id(node) for node in transforms}
+    kept = [node for node in graph.node if id(node) not in transform_ids]
+    used = {name for node in kept for name in node.input} | \
+        {name for node in kept for name in _subgraph_inputs(node)} | {value.name for value in graph.output}
+    producer = {out: node for node in transforms for out in node.output}
+    wanted: dict[int, list[str]] = {}  # group -> the values the graph reads, in graph order
+    for name in [n for n in sources + [o for t in transforms for o in t.output] if n in used]:
+        wanted.setdefault(max(group_of[s] for s in _weight_sources(name, producer, group_of)), []).append(name)
+    with WeightWriter(path) as writer:
+        for index, tensor in enumerate(graph.initializer):  # the folded constants (RoPE tables and the like)
+            graph.initializer[index].CopyFrom(writer.add(tensor.name, onnx.numpy_helper.to_array(tensor)))
+        for group in sorted(wanted):
+            names = wanted[group]
+            needed = sorted({s for name in names for s in _weight_sources(name, producer, group_of)})
+            feeds = {name: tensor.numpy() for name, tensor in weights.read(needed).items()}
+            values = _evaluate(names, feeds, producer, constants)
+            graph.initializer.extend(writer.add(name, values[name]) for name in names)
+            del feeds, values
+    del graph.node[:]
+    graph.node.extend(kept)
+    remaining = [value for value in graph.input if value.name not in group_of]
+    del graph.input[:]
+    graph.input.extend(remaining)
+
+
+def _subgraph_inputs(node: onnx.NodeProto) -> set[str]:
+    """Names the node's subgraphs (If branches) read from the enclosing graph."""
+    from kvforge.onnx_graphs import all_nodes
+
+    names = set()
+    for attribute in node.attribute:
+        for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+            names.update(name for inner in all_nodes(sub) for name in inner.input)
+    return names
+
+
+def _weight_sources(name: str, producer: dict, group_of: dict) -> set[str]:
+    if name in group_of:
+        return {name}
+    return set().union(*(_weight_sources(i, producer, group_of) for i in producer[name].input if i in group_of
+                         or i in producer))
+
+
+def _evaluate(names: list[str], feeds: dict, producer: dict, constants: dict) -> dict:
+    """The values `names` from the weights in feeds, by the export's own nodes (numpy reference ops)."""
+    from onnx.reference import ReferenceEvaluator
+
+    nodes, seen = [], set()
+
+    def visit(name: str) -> None:
+        node = producer.get(name)
+        if node is None or id(node) in seen:
+            return
+        seen.add(id(node))
+        for i in node.input:
+            visit(i)
+        nodes.append(node)
+
+    computed = [name for name in names if name in producer]
+    for name in computed:
+        visit(name)
+    if not computed:
+        return feeds
+    used = {i for node in nodes for i in node.input}
+    graph = onnx.helper.make_graph(
+        nodes, "weights", [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in feeds],
+        [onnx.helper.make_value_info(n, onnx.TypeProto()) for n in computed],
+        [constants[n] for n in used if n in constants])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", OPSET)])
+    return {**feeds, **dict(zip(computed, ReferenceEvaluator(model).run(computed, feeds)))}
 
 
 def _name_symbolic_dims(proto: onnx.ModelProto, inputs: list[TensorSpec], outputs: list[TensorSpec]) -> None:

@@ -51,14 +51,19 @@ class Report:
 
 def reference_model(manifest: Manifest):
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     source = Path(manifest.source.get("path", ""))
     if not (source / "config.json").is_file():
         raise ManifestError(f"the source checkpoint {source} recorded in the manifest is gone; cannot compare")
     torch.set_grad_enabled(False)
     torch.set_num_threads(1)  # the reference only checks correctness; one thread never oversubscribes
-    return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    config = AutoConfig.from_pretrained(source)
+    if config.num_hidden_layers != manifest.model.num_layers:  # a parity slice: the first layers only
+        config.num_hidden_layers = manifest.model.num_layers
+        if getattr(config, "layer_types", None):
+            config.layer_types = config.layer_types[:manifest.model.num_layers]
+    return AutoModelForCausalLM.from_pretrained(source, config=config, dtype=torch.float32).eval()
 
 
 def hf_logits(model, tokens: list[int]) -> np.ndarray:
@@ -85,6 +90,12 @@ def verify(directory: Path, steps: int = 32, seed: int = 0) -> Report:
     from runtime.runners import open_runner
 
     manifest = Manifest.load(directory)
+    piece = manifest.source.get("parity_slice")
+    if piece:  # a 7-8B export: its float32 weights and transformers' do not fit in RAM together
+        print(f"verifying the export's parity slice: the first {piece['layers']} of {manifest.model.num_layers} "
+              f"layers, exported from the same checkpoint by the same code", file=sys.stderr)
+        directory = Path(directory) / piece["directory"]
+        manifest = Manifest.load(directory)
     reference = reference_model(manifest)
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, manifest.model.vocab_size, n).tolist() for n in prompt_lengths(manifest, steps)]

@@ -166,10 +166,11 @@ def test_moe_graph_and_quantized_engines(moe_exports, moe_checkpoints, tmp_path)
         for node in nodes:
             attributes = {a.name: a.i for a in node.attribute}
             assert (attributes["expert_weight_bits"], attributes.get("block_size", 0)) == (bits, block)
-        routers = _float_routers(nodes, model)  # fp32, transposed into a MatMul: [hidden, experts]
-        assert routers == [(64, 4 if name == "qwen2-moe" else 8)] * 2
-        floats = [n for n in model.graph.node if n.op_type in ("MatMul", "Gemm")]
-        # the routers (and Qwen2-MoE's two shared-expert gates): nothing else stays fp32
+        routers = _float_routers(nodes, model)  # fp32, as exported: a Gemm x @ W^T, W [experts, hidden]
+        assert routers == [(4 if name == "qwen2-moe" else 8, 64)] * 2
+        floats = [n for n in model.graph.node if n.op_type in ("MatMul", "Gemm", "FusedGemm")]
+        # the routers (and Qwen2-MoE's two shared-expert gates, Gemm + Sigmoid fused by ONNX Runtime):
+        # nothing else stays fp32
         assert len(floats) == (4 if name == "qwen2-moe" else 2)
     prompt = moe_checkpoints["qwen2-moe"][1]
     built = engines["qwen2-moe"]

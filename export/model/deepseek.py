@@ -65,9 +65,10 @@ def fold_minicpm3_scales(cfg: dict, spec: ModelSpec, state: dict[str, torch.Tens
     layers = spec.num_layers
     residual = (value["scale_depth"] if value["scale_depth"] is not None else math.sqrt(layers)) / math.sqrt(layers)
     logits_scaling = spec.hidden_size / (value["dim_model_base"] or spec.hidden_size)
-    state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"] * value["scale_emb"]
     norm_scale = 1.0 / logits_scaling / (value["scale_emb"] if spec.tie_word_embeddings else 1.0)
-    state["model.norm.weight"] = state["model.norm.weight"] * norm_scale
+    for key, scale in (("model.embed_tokens.weight", value["scale_emb"]), ("model.norm.weight", norm_scale)):
+        if key in state:
+            state[key] = state[key] * scale
     for i in range(layers):
         for name in ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight"):
             key = f"model.layers.{i}.{name}"

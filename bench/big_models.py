@@ -1,0 +1,332 @@
+"""Big checkpoints (issue 40): the export's and the engine build's peak RSS and time against model
+size, on random bf16 checkpoints with real models' exact configs, written a tensor at a time.
+
+    python -m bench.big_models [--models qwen2.5-0.5b,llama-3.2-1b,llama-3.2-3b,llama-3.1-8b]
+        [--weights int4] [--max-seq-len 4096] [--out results/big_models.json]
+    python -m bench.big_models --moe [--weights int4] [--threads N]
+
+--moe: batch-1 decode of a random checkpoint with Qwen3-30B-A3B's layer shapes (MOE_LAYERS of its 48
+layers) beside a dense Qwen3 of the same active parameters (the k experts' width as its MLP): step
+time, weight bytes a step reads, and the time those bytes take at the measured read bandwidth.
+
+Each stage runs as its own process; its peak RSS is the kernel's (os.wait4's ru_maxrss), beside
+the checkpoint's largest tensor in float32, the bound the design aims at (about the import
+baseline plus twice a decoder layer). Checkpoints go to build/checkpoints/big/, exports to
+build/exports/big-*, engines to build/engines/big-*-<weights>. Saves JSON, a PNG and a table.
+Random weights: memory and time only, no quality.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.common import ROOT, say, table, write_json
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+LLAMA3 = dict(architectures=["LlamaForCausalLM"], vocab_size=128256, max_position_embeddings=131072,
+              rms_norm_eps=1e-5, rope_theta=500000.0, bos_token_id=1, eos_token_id=2, head_dim=64,
+              hidden_act="silu", attention_bias=False, mlp_bias=False)
+# The configs of the released checkpoints (config.json on the hub), random weights in their place.
+CONFIGS = {
+    "qwen2.5-0.5b": dict(architectures=["Qwen2ForCausalLM"], hidden_size=896, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
+                         max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                         tie_word_embeddings=True, use_sliding_window=False, sliding_window=32768,
+                         max_window_layers=21, bos_token_id=1, eos_token_id=2, hidden_act="silu"),
+    "llama-3.2-1b": dict(LLAMA3, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, intermediate_size=8192, tie_word_embeddings=True,
+                         rope_scaling=LLAMA3_ROPE),
+    "llama-3.2-3b": dict(LLAMA3, hidden_size=3072, num_hidden_layers=28, num_attention_heads=24,
+                         num_key_value_heads=8, intermediate_size=8192, tie_word_embeddings=True, head_dim=128,
+                         rope_scaling=LLAMA3_ROPE),
+    "llama-3.1-8b": dict(LLAMA3, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, intermediate_size=14336, tie_word_embeddings=False, head_dim=128,
+                         rope_scaling={**LLAMA3_ROPE, "factor": 8.0}),
+}
+# Qwen3-30B-A3B's config.json, but MOE_LAYERS of its 48 layers: every shape of a layer is the real one.
+QWEN3_30B_A3B = dict(architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, num_hidden_layers=48,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                     moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                     decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936, max_position_embeddings=40960,
+                     rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, bos_token_id=1,
+                     eos_token_id=2, hidden_act="silu")
+MOE_LAYERS = 4
+MOE_PROMPT, MOE_STEPS = 64, 48
+SHARD_BYTES = 2 << 30
+
+
+def random_checkpoint(config: dict, out: Path) -> Path:
+    """config.json + bf16 safetensors shards with an index + the presets' tokenizer, a tensor at a
+    time (torch: the export stage's dependency). Reused when present."""
+    import torch
+    from safetensors.torch import save_file
+
+    from export.checkpoint import skeleton
+    from export.presets import materialize
+    from kvforge.manifest import KV_DTYPES, ModelSpec
+
+    if (out / "model.safetensors.index.json").is_file():
+        return out
+    shapes = checkpoint_shapes(skeleton(ModelSpec.from_hf_config(config), "inplace", KV_DTYPES["fp32"]))
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    generator = torch.Generator().manual_seed(0)
+    weight_map, shard, size, count = {}, {}, 0, 0
+
+    def flush():
+        nonlocal shard, size, count
+        count += 1
+        file = f"model-{count:05d}.safetensors"
+        save_file(shard, str(tmp / file), metadata={"format": "pt"})
+        weight_map.update((key, file) for key in shard)
+        shard, size = {}, 0
+
+    for key, shape in shapes:
+        if key.endswith("norm.weight"):
+            tensor = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            tensor = (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
+        shard[key] = tensor
+        size += tensor.numel() * 2
+        if size >= SHARD_BYTES:
+            flush()
+    if shard:
+        flush()
+    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (tmp / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}, indent=1))
+    preset = materialize("tiny-llama", ROOT / "build" / "checkpoints")
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(preset / file, tmp / file)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def checkpoint_shapes(model) -> list[tuple[str, tuple[int, ...]]]:
+    """The checkpoint file's tensor names and shapes for the model's parameters: experts one
+    tensor per expert and projection, as released MoE checkpoints keep them (CausalLM.stacked_weights)."""
+    tied = model.spec.tie_word_embeddings
+    stacked, shapes = model.stacked_weights(), []
+    if model.fused_weights():
+        raise SystemExit(f"{model.spec.architecture}: checkpoints with fused tensors are not generated here")
+    for name, tensor in model.state_dict().items():
+        parts = stacked.get(name)
+        if tied and name == "lm_head.weight":
+            continue
+        if parts is None or isinstance(parts, str):
+            shapes.append((parts or name, tuple(tensor.shape)))
+        else:  # [E, rows, cols] from each expert's tensors stacked by rows
+            for expert in parts:
+                shapes += [(key, (tensor.shape[1] // len(expert), *tensor.shape[2:])) for key in expert]
+    return shapes
+
+
+def measured(command: list[str]) -> dict:
+    """Run a stage as its own process: wall seconds and the kernel's peak RSS of it."""
+    started = time.perf_counter()
+    process = subprocess.Popen(command, cwd=ROOT)
+    _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed ({process.returncode})")
+    return {"seconds": round(time.perf_counter() - started, 1), "peak_rss_bytes": usage.ru_maxrss * 1024}
+
+
+def largest_tensor_bytes(checkpoint: Path) -> tuple[int, int]:
+    """(parameters, bytes of the largest tensor in float32) from the safetensors headers."""
+    from safetensors import safe_open
+
+    from export.checkpoint import weight_files
+
+    parameters, largest = 0, 0
+    for path in weight_files(checkpoint):
+        with safe_open(str(path), framework="np") as f:
+            for key in f.keys():
+                shape = f.get_slice(key).get_shape()
+                n = 1
+                for d in shape:
+                    n *= d
+                parameters, largest = parameters + n, max(largest, 4 * n)
+    return parameters, largest
+
+
+def run(models: list[str], weights: str, max_seq_len: int) -> dict:
+    py = sys.executable
+    rows = []
+    for name in models:
+        say(f"{name}: random bf16 checkpoint")
+        checkpoint = random_checkpoint(CONFIGS[name], ROOT / "build" / "checkpoints" / "big" / name)
+        parameters, largest = largest_tensor_bytes(checkpoint)
+        export_dir = ROOT / "build" / "exports" / f"big-{name}"
+        engine_dir = ROOT / "build" / "engines" / f"big-{name}-{weights}"
+        say(f"{name}: export ({parameters / 1e9:.2f}B parameters)")
+        export = measured([py, "-m", "export", "--model", str(checkpoint), "--out", str(export_dir),
+                           "--max-seq-len", str(max_seq_len)])
+        say(f"{name}: exported in {export['seconds']} s, peak RSS {export['peak_rss_bytes'] / 2**30:.2f} GiB")
+        say(f"{name}: engine build, {weights} weights")
+        build = measured([py, "-m", "engines", "build", str(export_dir), "--backend", "onnxruntime",
+                          "--weights", weights, "--out", str(engine_dir)])
+        say(f"{name}: built in {build['seconds']} s, peak RSS {build['peak_rss_bytes'] / 2**30:.2f} GiB")
+        engine = json.loads((engine_dir / "manifest.json").read_text())["engine"]
+        rows.append({"model": name, "parameters": parameters, "largest_tensor_fp32_bytes": largest,
+                     "export": export, "build": build, "engine_bytes": engine["size_bytes"],
+                     "parity_scope": engine["parity_scope"], "parity_max_abs_diff": engine["parity_max_abs_diff"],
+                     "export_bytes": sum(f.stat().st_size for f in export_dir.iterdir() if f.is_file())})
+        shutil.rmtree(export_dir)  # 4 bytes a parameter: the disk, not the RAM, is what runs out next
+    return {"weights": weights, "max_seq_len": max_seq_len, "threads": os.cpu_count(), "models": rows}
+
+
+def moe_configs(layers: int) -> dict[str, dict]:
+    """The MoE model and a dense Qwen3 of the same active parameters: its MLP as wide as the k
+    routed experts together (8 x 768 = 6,144, the config's own intermediate_size)."""
+    moe = {**QWEN3_30B_A3B, "num_hidden_layers": layers}
+    dense = {k: v for k, v in moe.items() if k not in ("moe_intermediate_size", "num_experts", "num_experts_per_tok",
+                                                       "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")}
+    dense.update(architectures=["Qwen3ForCausalLM"],
+                 intermediate_size=moe["num_experts_per_tok"] * moe["moe_intermediate_size"])
+    return {"moe": moe, "dense, same active parameters": dense}
+
+
+def active_step_bytes(engine_dir: Path, config: dict) -> int:
+    """Weight bytes a batch-1 decode step reads: bench.roofline's count, the QMoE/MoE experts'
+    weights and scales at k of E."""
+    import onnx
+
+    from bench.roofline import initializer_bytes, step_weight_bytes
+    from kvforge.manifest import MODEL_FILE
+
+    total = step_weight_bytes(engine_dir / MODEL_FILE, 1)["weight_bytes_per_step"]
+    graph = onnx.load(str(engine_dir / MODEL_FILE), load_external_data=False).graph
+    sizes = {t.name: initializer_bytes(t) for t in graph.initializer}
+    experts = sum(sizes.get(name, 0) for node in graph.node if node.op_type in ("MoE", "QMoE") for name in node.input[2:])
+    share = config.get("num_experts_per_tok", 1) / config.get("num_experts", 1)
+    return total - experts + int(experts * share)
+
+
+def decode_steps(engine_dir: Path, threads: int) -> list[float]:
+    """Seconds of each batch-1 decode step after a MOE_PROMPT-token prefill."""
+    import numpy as np
+
+    from runtime.greedy import Greedy
+    from runtime.runners import open_runner
+
+    prompt = np.random.default_rng(0).integers(3, 4000, MOE_PROMPT).tolist()
+    run = Greedy(open_runner(engine_dir, threads=threads), [prompt], MOE_STEPS + 1)
+    run.prefill(every_position=False)
+    seconds = []
+    for _ in range(MOE_STEPS):
+        began = time.perf_counter()
+        run.step()
+        seconds.append(time.perf_counter() - began)
+    return seconds
+
+
+def read_bandwidth(threads: int) -> float:
+    """The machine's read bandwidth, bytes/s: bench.roofline's read test, best of 5."""
+    from bench.roofline import concurrent_seconds, stream_tests
+
+    fn, args, nbytes = stream_tests(threads)["read"]
+    return nbytes / min(concurrent_seconds(fn, args) for _ in range(5))
+
+
+def moe_run(layers: int, weights: str, threads: int) -> dict:
+    import statistics
+
+    py, rows = sys.executable, []
+    for kind, config in moe_configs(layers).items():
+        name = f"qwen3-30b-a3b-{layers}-layers-{kind.split(',')[0]}"
+        say(f"{name}: random bf16 checkpoint")
+        checkpoint = random_checkpoint(config, ROOT / "build" / "checkpoints" / "big" / name)
+        export_dir, engine_dir = ROOT / "build" / "exports" / f"big-{name}", ROOT / "build" / "engines" / f"big-{name}-{weights}"
+        export = measured([py, "-m", "export", "--model", str(checkpoint), "--out", str(export_dir), "--max-seq-len", "512"])
+        build = measured([py, "-m", "engines", "build", str(export_dir), "--backend", "onnxruntime", "--weights", weights,
+                          "--out", str(engine_dir)])
+        shutil.rmtree(export_dir)
+        say(f"{name}: {MOE_STEPS} decode steps at batch 1")
+        steps = decode_steps(engine_dir, threads)
+        median, active = statistics.median(steps), active_step_bytes(engine_dir, config)
+        rows.append({"model": kind, "config": name, "parameters": largest_tensor_bytes(checkpoint)[0],
+                     "export": export, "build": build, "step_ms_median": round(median * 1e3, 2),
+                     "tokens_per_s": round(1 / median, 2), "active_weight_bytes": active,
+                     "effective_bytes_per_s": round(active / median)})
+    bandwidth = read_bandwidth(threads)
+    for row in rows:
+        row["step_ms_at_read_bandwidth"] = round(row["active_weight_bytes"] / bandwidth * 1e3, 2)
+    ratio = rows[0]["step_ms_median"] / rows[1]["step_ms_median"]
+    return {"layers": layers, "of_layers": QWEN3_30B_A3B["num_hidden_layers"], "weights": weights, "threads": threads,
+            "read_bandwidth_bytes_per_s": round(bandwidth), "moe_over_dense_step": round(ratio, 3),
+            "target_ratio": 1.3, "models": rows}
+
+
+def moe_report(result: dict, out: Path) -> None:
+    print(f"Qwen3-30B-A3B's shapes, {result['layers']} of {result['of_layers']} layers, {result['weights']} weights, "
+          f"batch 1, {result['threads']} threads; read bandwidth {result['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s")
+    print("\n".join(table(["model", "parameters", "decode step ms", "tokens/s", "weight MB read a step",
+                            "ms at read bandwidth", "effective GB/s"],
+                           [[r["model"], f"{r['parameters'] / 1e9:.2f}B", r["step_ms_median"], r["tokens_per_s"],
+                             f"{r['active_weight_bytes'] / 1e6:.0f}", r["step_ms_at_read_bandwidth"],
+                             f"{r['effective_bytes_per_s'] / 1e9:.1f}"] for r in result["models"]])))
+    print(f"MoE step / dense step: {result['moe_over_dense_step']:.2f}x (target <= {result['target_ratio']}x)")
+    write_json(out, result)
+
+
+def report(result: dict, out: Path) -> None:
+    gib = 2 ** 30
+    print("\n".join(table(["model", "parameters", "largest fp32 tensor GiB", "export s", "export peak GiB",
+                 f"build {result['weights']} s", "build peak GiB", "engine GiB", "parity on"],
+                [[r["model"], f"{r['parameters'] / 1e9:.2f}B", f"{r['largest_tensor_fp32_bytes'] / gib:.2f}",
+                  r["export"]["seconds"], f"{r['export']['peak_rss_bytes'] / gib:.2f}", r["build"]["seconds"],
+                  f"{r['build']['peak_rss_bytes'] / gib:.2f}", f"{r['engine_bytes'] / gib:.2f}", r["parity_scope"]]
+                 for r in result["models"]])))
+    write_json(out, result)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    sizes = [r["parameters"] / 1e9 for r in result["models"]]
+    for stage in ("export", "build"):
+        axis.plot(sizes, [r[stage]["peak_rss_bytes"] / gib for r in result["models"]], "o-", label=f"{stage} peak RSS")
+    axis.plot(sizes, [4 * s * 1e9 / gib for s in sizes], "k:", label="the model in float32")
+    axis.axhline(16, color="r", linestyle="--", label="16 GiB target")
+    axis.set_xlabel("parameters (billions)")
+    axis.set_ylabel("GiB")
+    axis.set_title(f"Export and {result['weights']} build memory vs model size")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(out.with_suffix(".png"), dpi=120)
+    say(f"saved {out} and {out.with_suffix('.png')}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(CONFIGS))
+    parser.add_argument("--weights", default="int4", choices=("fp32", "int8", "int4"))
+    parser.add_argument("--max-seq-len", type=int, default=4096)
+    parser.add_argument("--moe", action="store_true",
+                        help=f"instead: decode of Qwen3-30B-A3B's shapes ({MOE_LAYERS} layers) vs a dense model of "
+                             f"its active parameters (results/big_models_moe.json)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if args.moe:
+        moe_report(moe_run(MOE_LAYERS, args.weights, args.threads), args.out or ROOT / "results" / "big_models_moe.json")
+        return
+    models = args.models.split(",")
+    unknown = [m for m in models if m not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown models {unknown}; choose from {', '.join(CONFIGS)}")
+    report(run(models, args.weights, args.max_seq_len), args.out or ROOT / "results" / "big_models.json")
+
+
+if __name__ == "__main__":
+    main()
