@@ -129,15 +129,27 @@ def checkpoint_shapes(model) -> list[tuple[str, tuple[int, ...]]]:
     return shapes
 
 
+# Spawns the stage and reports its peak RSS. A child's ru_maxrss starts from its parent's RSS at the
+# fork (the kernel keeps the pre-exec high-water mark), so the stage is spawned by this small process,
+# not by the caller (a test runner or this bench after writing checkpoints holds GiBs).
+PEAK_RSS_PROBE = """import os, subprocess, sys
+process = subprocess.Popen(sys.argv[2:])
+_, status, usage = os.wait4(process.pid, 0)
+open(sys.argv[1], "w").write(f"{os.waitstatus_to_exitcode(status)} {usage.ru_maxrss * 1024}")
+"""
+
+
 def measured(command: list[str]) -> dict:
     """Run a stage as its own process: wall seconds and the kernel's peak RSS of it."""
+    import tempfile
+
     started = time.perf_counter()
-    process = subprocess.Popen(command, cwd=ROOT)
-    _, status, usage = os.wait4(process.pid, 0)
-    process.returncode = os.waitstatus_to_exitcode(status)
-    if process.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} failed ({process.returncode})")
-    return {"seconds": round(time.perf_counter() - started, 1), "peak_rss_bytes": usage.ru_maxrss * 1024}
+    with tempfile.NamedTemporaryFile("r") as report:
+        subprocess.run([sys.executable, "-c", PEAK_RSS_PROBE, report.name, *command], cwd=ROOT, check=False)
+        returncode, peak = (int(field) for field in Path(report.name).read_text().split())
+    if returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed ({returncode})")
+    return {"seconds": round(time.perf_counter() - started, 1), "peak_rss_bytes": peak}
 
 
 def largest_tensor_bytes(checkpoint: Path) -> tuple[int, int]:

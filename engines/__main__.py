@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvforge.cli import atomic_directory, fail_cleanly, progress
+from kvforge.cli import atomic_directory, fail_cleanly, free_large_buffers_at_once, progress
 from kvforge.manifest import MLA_NO_TENSORRT, MOE_NO_TENSORRT, RINGS_NO_TENSORRT, Manifest, ManifestError
 
 
@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--tensorrt-version", default=None)
     sub.add_parser("repository", help="write Triton model configs for an engine (see engines/repository.py)")
     args = parser.parse_args(argv)
+    free_large_buffers_at_once()
     return build(args) if args.command == "build" else check(args)
 
 

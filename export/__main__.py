@@ -14,7 +14,7 @@ from pathlib import Path
 from kvforge.manifest import (DEFAULT_MAX_CHUNK, KV_DTYPES, KV_LAYOUTS, Manifest, ManifestError, ModelSpec,
                               check_attention_dtype, check_layout_dtype, layer_rings)
 from kvforge import env
-from kvforge.cli import atomic_directory, fail_cleanly, progress
+from kvforge.cli import atomic_directory, fail_cleanly, free_large_buffers_at_once, progress
 
 CHECKPOINT_CACHE = Path(os.environ.get(env.CHECKPOINTS, "build/checkpoints"))
 PARITY_SLICE = "parity-slice"
@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"above this many GiB of weights, also export the first {PARITY_SLICE_LAYERS} layers as "
                              f"the slice the engine's parity gate and export.verify run (default {PARITY_SLICE_GIB:g})")
     args = parser.parse_args(argv)
+    free_large_buffers_at_once()
     export(args.model, args.out, args.kv_layout, args.kv_dtype, args.max_seq_len, args.max_chunk,
            parity_slice_gib=args.parity_slice_gib)
     return 0
