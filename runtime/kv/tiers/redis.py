@@ -16,7 +16,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from runtime.kv.tiers.base import Tier, TierStats
+from runtime.kv.tiers.base import Into, Tier, TierStats
 from runtime.kv.tiers.codec import Arrays, BlockCodec, CorruptEntry
 
 log = logging.getLogger("kvforge.tiers")
@@ -197,24 +197,24 @@ class RedisTier(Tier):
         except self.errors as e:
             log.debug("refreshing the Redis Cluster slot map failed: %s", e)
 
-    def get_many(self, hashes: list[bytes], tags: list[bytes] | None = None) -> list[Arrays]:
+    def get_many(self, hashes: list[bytes], tags: list[bytes] | None = None, into: Into | None = None) -> list[Arrays]:
         """The leading run of hashes that Redis holds (tags: their placement tags; default: each
-        block its own group)."""
+        block its own group), copied from the replies into `into`'s blocks."""
         if not hashes or not self.available():
             self.stats.count("miss_blocks", len(hashes))
             return []
         began = time.perf_counter()
         keys = [self.key(h, t) for h, t in zip(hashes, tags or hashes)]
         values = self._pipelined(keys, lambda pipe, key: pipe.get(key), leading_run=True)
+        run = next((i for i, raw in enumerate(values) if raw is None), len(values))
         found = []
-        for h, raw in zip(hashes, values):
-            if raw is None:
-                break
+        for h, raw, block in zip(hashes, values, (into or self.codec.blanks)(run)):
             try:
-                found.append(self.codec.decode(h, raw))
+                self.codec.decode_into(h, raw, block)
             except CorruptEntry:
                 self.stats.count("corrupt_blocks")
                 break
+            found.append(block)
         nbytes = len(found) * self.codec.entry_bytes
         self.stats.measured(time.perf_counter() - began, nbytes)
         self.stats.count("hit_blocks", len(found))
