@@ -368,6 +368,8 @@ class LLMEngine:
         if self._thread.is_alive():
             raise EngineError(f"the engine thread did not stop within {timeout:g} s of close(): a step or an "
                               "on_output callback is stuck")
+        if self.kv.pool is not None:  # its mapped pages go back now, not when a collection finds the engine
+            self.kv.pool.close()
 
     def __enter__(self) -> "LLMEngine":
         return self

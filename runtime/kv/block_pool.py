@@ -212,6 +212,14 @@ class HostBlockPool:
     def get(self, blocks: list[int]) -> Blocks:
         return {name: array[blocks] for name, array in self.arrays.items()}
 
+    def close(self) -> None:
+        """Give the storage back (the engine has stopped). A process that starts engine after engine
+        (tests, benchmarks) would otherwise keep every pool's mapped margin until a garbage
+        collection breaks the engine's reference cycles: a long-context benchmark's fourth engine
+        in one process was killed for memory."""
+        self.populated.wait()
+        self.arrays = {}
+
     def clear(self) -> int:
         """Forget every cached block; referenced ones stay until released. Returns how many were dropped."""
         dropped = len(self.by_hash)
