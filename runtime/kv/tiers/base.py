@@ -84,7 +84,7 @@ class Tier(ABC):
     def get_many(self, hashes: list[bytes], tags: list[bytes] | None = None, into: Into | None = None) -> list[Arrays]:
         """The leading run of hashes the tier holds, decoded into `into`'s blocks and checked. tags:
         each block's placement tag (kvforge.block_hash.placement_tags), for a tier that spreads
-        blocks over nodes. A tier asks `into` once, for as many blocks as it has found."""
+        blocks over nodes. A tier asks `into` in run order, for the entries it has found so far."""
 
     @abstractmethod
     def put_many(self, entries: list[tuple[bytes, bytes]], tags: list[bytes] | None = None) -> int:
