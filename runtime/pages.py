@@ -22,12 +22,13 @@ _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def populate(array: np.ndarray, begin: int = 0, end: int | None = None) -> bool:
-    """Map the whole pages of bytes begin..end of a C-contiguous array. False where the kernel
-    cannot (Linux < 5.14): its pages then come at their first write, as without this."""
+    """Map the pages holding bytes begin..end of a C-contiguous array (rounded out: a page shared
+    by two ranges mapped one after the other is in both; its contents are never changed). False
+    where the kernel cannot (Linux < 5.14): pages then come at their first write, as without this."""
     end = array.nbytes if end is None else end
     page = mmap.PAGESIZE
-    start = -(-(array.ctypes.data + begin) // page) * page
-    stop = (array.ctypes.data + end) // page * page
+    start = (array.ctypes.data + begin) // page * page
+    stop = -(-(array.ctypes.data + end) // page) * page
     for chunk in range(start, stop, CHUNK_BYTES):
         if _libc.madvise(chunk, min(CHUNK_BYTES, stop - chunk), MADV_POPULATE_WRITE) != 0:
             return False

@@ -6,6 +6,9 @@ after the moves decided before it. Milliseconds; the real-export tests check tha
 decodes the same with a hit (tests/test_prefix_cache.py)."""
 from __future__ import annotations
 
+import ctypes
+import mmap
+
 import numpy as np
 
 from runtime.kv.block_pool import HostBlockPool
@@ -118,22 +121,35 @@ def test_released_blocks_stay_cached_and_go_tail_first():
     np.testing.assert_array_equal(kv.rows.runner.row_kv(0, 40), kv_of(b.tokens[:40], 0))
 
 
+def resident_blocks(pool: HostBlockPool) -> int:
+    """How many leading blocks have every page of every array resident (mincore(2) on their
+    exact range: /proc's per-mapping counts merge neighbouring allocations)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page, blocks = mmap.PAGESIZE, pool.num_blocks
+    for array in pool.arrays.values():
+        start = array.ctypes.data // page * page
+        pages = -(-(array.ctypes.data + array.nbytes - start) // page)
+        vec = (ctypes.c_ubyte * pages)()
+        assert libc.mincore(start, pages * page, vec) == 0, ctypes.get_errno()
+        first_out = next((i for i, v in enumerate(vec) if not v & 1), pages)
+        blocks = min(blocks, (start + first_out * page - array.ctypes.data) // (array.nbytes // pool.num_blocks))
+    return blocks
+
+
 def test_the_pool_maps_its_next_blocks_ahead_of_use():
     """map_ahead keeps about that many bytes of never-used blocks resident (mapped in the
     background, contents untouched), topped up as blocks are handed out, never the whole pool."""
-    from tests.test_runtime import resident_bytes
-
     spec = ArithmeticRunner().block
     pool = HostBlockPool(spec, 8192 * spec.bytes_per_block)  # 32 MiB
-    resident = lambda: sum(resident_bytes(a) for a in pool.arrays.values())  # noqa: E731
-    page_slack = 2 * 4096 * len(pool.arrays)  # each array's range rounded in to whole pages
+    assert resident_blocks(pool) < 8
     pool.map_ahead(1024 * spec.bytes_per_block)
     wait_for(pool.populated.is_set, "the pool's first blocks")
-    assert resident() >= 1024 * spec.bytes_per_block - page_slack and pool.mapped == 1024
+    assert pool.mapped == 1024 and 1024 - 8 <= resident_blocks(pool) < 2048
     pool.anonymous(600)  # past half the margin: the next ones are mapped
     wait_for(pool.populated.is_set, "the pool's next blocks")
-    assert pool.mapped - 600 >= 1024 // 2 and resident() >= pool.mapped * spec.bytes_per_block - page_slack
-    assert resident() < pool.budget_bytes // 2 and not any(a.any() for a in pool.arrays.values())
+    assert pool.mapped - 600 >= 1024 // 2 and pool.mapped - 8 <= resident_blocks(pool) < pool.num_blocks // 2
+    assert not any(a.any() for a in pool.arrays.values())
 
 
 def test_blocks_a_load_filled_are_named_and_a_block_cached_meanwhile_is_shared():
