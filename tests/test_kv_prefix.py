@@ -141,7 +141,9 @@ def test_the_pool_maps_its_next_blocks_ahead_of_use():
     """map_ahead keeps about that many bytes of never-used blocks resident (mapped in the
     background, contents untouched), topped up as blocks are handed out, never the whole pool."""
     spec = ArithmeticRunner().block
-    pool = HostBlockPool(spec, 8192 * spec.bytes_per_block)  # 32 MiB
+    # 64 MiB an array: past glibc's largest mmap threshold (32 MiB), so its pages start unmapped
+    # whatever this process allocated and freed before
+    pool = HostBlockPool(spec, 65536 * spec.bytes_per_block)
     assert resident_blocks(pool) < 8
     pool.map_ahead(1024 * spec.bytes_per_block)
     wait_for(pool.populated.is_set, "the pool's first blocks")
