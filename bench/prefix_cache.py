@@ -83,10 +83,13 @@ class Texts:
 
 
 def mapped(engine):
-    """The engine once its KV reservation is mapped (a background thread touches every page at
-    startup): nothing is measured while the kernel is still faulting gigabytes in."""
+    """The engine once its KV reservation and the host pool's first blocks are mapped (background
+    threads touch their pages at startup): nothing is measured while the kernel is still faulting
+    gigabytes in."""
     if getattr(engine.runner, "reservation", None) is not None:
         engine.runner.reservation.populated.wait()
+    if engine.kv.pool is not None:
+        engine.kv.pool.populated.wait()
     return engine
 
 

@@ -1,7 +1,8 @@
 """How fast the tiers below RAM hand a long prefix back (issue 41 item 3): `get_many` of N blocks
 through the real DiskTier (page cache warm) and RedisTier (a real loopback redis-server), bytes
-over wall time, decode and checksum included. Blocks have Llama-3.2-1B's fp32 KV shape (16
-layers x 8 KV heads x 64, 16 tokens: 1 MiB), so 512 blocks are an 8K-token prefix.
+over wall time, decode and checksum included, into host pool blocks mapped ahead as the engine
+loads them (runtime/kv/tiers/lower.py). Blocks have Llama-3.2-1B's fp32 KV shape (16 layers x 8
+KV heads x 64, 16 tokens: 1 MiB), so 512 blocks are an 8K-token prefix.
 
     .venv/bin/python -m bench.tier_rate [--blocks 512] [--rounds 5] [--out results]
 
@@ -23,6 +24,7 @@ import numpy as np
 from kvforge.manifest import CacheTensor, KVBlockSpec
 from launcher.harness import free_ports
 from launcher.redis_server import RedisServer
+from runtime.kv.block_pool import HostBlockPool
 from runtime.kv.tiers.codec import BlockCodec
 from runtime.kv.tiers.disk import DiskTier
 from runtime.kv.tiers.redis import PIECE_BYTES, RedisTier
@@ -47,6 +49,16 @@ def main() -> None:
     total = args.blocks * codec.entry_bytes
     print(f"tier_rate: {args.blocks} blocks of {codec.entry_bytes / 2**20:.2f} MiB ({total / 2**30:.2f} GiB)")
 
+    pool = HostBlockPool(codec.spec, args.blocks * codec.spec.bytes_per_block)
+    pool.map_ahead(pool.budget_bytes)
+    pool.populated.wait()
+    taken: list[int] = []
+
+    def into(n: int) -> list[dict]:
+        ids = pool.anonymous(n, partial=True)
+        taken.extend(ids)
+        return [pool.block(b) for b in ids]
+
     rates: dict[str, list[float]] = {"disk": [], "redis": []}
     with tempfile.TemporaryDirectory(prefix="kvforge-tier-rate-") as root, \
             RedisServer(free_ports(1)[0], maxmemory=f"{2 * total // 2**20 + 64}mb") as server:
@@ -57,8 +69,10 @@ def main() -> None:
         for round_ in range(args.rounds):
             for name, tier in tiers.items():
                 began = time.perf_counter()
-                found = tier.get_many(hashes)
+                found = tier.get_many(hashes, into=into)
                 seconds = time.perf_counter() - began
+                pool.release(taken)
+                taken.clear()
                 assert len(found) == len(hashes), f"{name} returned {len(found)} of {len(hashes)} blocks"
                 rates[name].append(total / seconds / 1e9)
                 print(f"tier_rate: round {round_ + 1} {name}: {rates[name][-1]:.2f} GB/s")

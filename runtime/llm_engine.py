@@ -91,7 +91,7 @@ class LLMEngine:
             tiers = handoff + ([DiskTier(Path(config.kv_disk_dir), config.kv_disk_bytes, codec)]
                                if config.kv_disk_dir else [])
             tiers += [RedisTier(config.kv_redis_url, codec, config.kv_redis_ttl)] if config.kv_redis_url else []
-            self.tiers = LowerTiers(codec, tiers, wake=self._wake)
+            self.tiers = LowerTiers(codec, tiers, wake=self._wake, lock=self._cond)
         self.kv = KVManager(self.runner, self.limits.slots, self.limits.kv_cache_bytes, pool, namespace, self.tiers,
                             optimistic=config.admission == "optimistic")
         if speculation is None and config.speculative == "ngram":
@@ -368,6 +368,8 @@ class LLMEngine:
         if self._thread.is_alive():
             raise EngineError(f"the engine thread did not stop within {timeout:g} s of close(): a step or an "
                               "on_output callback is stuck")
+        if self.kv.pool is not None:  # its mapped pages go back now, not when a collection finds the engine
+            self.kv.pool.close()
 
     def __enter__(self) -> "LLMEngine":
         return self

@@ -247,6 +247,7 @@ class Scheduler:
         the outputs of requests that ended, the step and the KV copies to run before it.
         Admission is first come, first served, except that a request whose prefix a running
         sequence is computing right now lets the ones behind it go first and waits for it."""
+        self.kv.copies_done()
         outputs = [(seq, self._cancel(seq)) for seq in map(self.requests.get, self.cancelled) if seq]
         self.cancelled.clear()
         outputs += self._expire(time.perf_counter())
@@ -470,6 +471,7 @@ class Scheduler:
             # logits[b, 0]: its last real position, the only one execute() asks for
             outputs.append((seq, self._forced(seq, seq.advance(logits[b, 0]))))
         self._drop_finished()
+        self.kv.copies_done()  # the step's copies have run; the ones to come read no pool block
         return outputs, self.kv.rows.take_copies()
 
     def _verified(self, seq: Sequence, row: int, batch: Batch, logits: np.ndarray) -> RequestOutput:

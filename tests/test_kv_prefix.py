@@ -6,11 +6,15 @@ after the moves decided before it. Milliseconds; the real-export tests check tha
 decodes the same with a hit (tests/test_prefix_cache.py)."""
 from __future__ import annotations
 
+import ctypes
+import mmap
+
 import numpy as np
 
 from runtime.kv.block_pool import HostBlockPool
 from runtime.kv.manager import KVManager
 from tests.arithmetic_runner import ArithmeticRunner, kv_of
+from tests.waiting import wait_for
 from tests.test_kv_rows import assert_rows_hold_their_kv, feed, prefilled, sequence
 
 NAMESPACE = b"test-namespace"
@@ -97,6 +101,8 @@ def test_a_preempted_row_swaps_out_after_the_moves_before_it_and_comes_back_whol
     assert c.swapped_blocks is None and kv.swapped_blocks == 0
     assert sorted(s.request_id for s in kv.rows.running) == sorted([kept.request_id, d.request_id, c.request_id])
     assert_rows_hold_their_kv(kv)
+    assert kv.pool.bytes_used == 3 * kv.pool.spec.bytes_per_block  # held until the copy back has run
+    kv.copies_done()
     assert kv.pool.bytes_used == 0  # anonymous blocks go straight back to the free list
 
 
@@ -107,8 +113,57 @@ def test_released_blocks_stay_cached_and_go_tail_first():
     blocks = list(a.pool_blocks)
     head, tail = blocks[0], blocks[-1]
     kv.release(kv.rows.remove(0))
+    kv.copies_done()
     assert list(kv.pool.evictable) == blocks[::-1]  # unreferenced, still cached; the tail leaves first
     b = prefilled(kv, sequence(2, 40))
     stored(kv, b)  # 2 new blocks: the free one, then a's tail is evicted first
     assert kv.pool.counters["blocks_evicted"] == 1 and tail not in kv.pool.evictable and head in kv.pool.evictable
     np.testing.assert_array_equal(kv.rows.runner.row_kv(0, 40), kv_of(b.tokens[:40], 0))
+
+
+def resident_blocks(pool: HostBlockPool) -> int:
+    """How many leading blocks have every page of every array resident (mincore(2) on their
+    exact range: /proc's per-mapping counts merge neighbouring allocations)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page, blocks = mmap.PAGESIZE, pool.num_blocks
+    for array in pool.arrays.values():
+        start = array.ctypes.data // page * page
+        pages = -(-(array.ctypes.data + array.nbytes - start) // page)
+        vec = (ctypes.c_ubyte * pages)()
+        assert libc.mincore(start, pages * page, vec) == 0, ctypes.get_errno()
+        first_out = next((i for i, v in enumerate(vec) if not v & 1), pages)
+        blocks = min(blocks, (start + first_out * page - array.ctypes.data) // (array.nbytes // pool.num_blocks))
+    return blocks
+
+
+def test_the_pool_maps_its_next_blocks_ahead_of_use():
+    """map_ahead keeps about that many bytes of never-used blocks resident (mapped in the
+    background, contents untouched), topped up as blocks are handed out, never the whole pool."""
+    spec = ArithmeticRunner().block
+    # 64 MiB an array: past glibc's largest mmap threshold (32 MiB), so its pages start unmapped
+    # whatever this process allocated and freed before
+    pool = HostBlockPool(spec, 65536 * spec.bytes_per_block)
+    assert resident_blocks(pool) < 8
+    pool.map_ahead(1024 * spec.bytes_per_block)
+    wait_for(pool.populated.is_set, "the pool's first blocks")
+    assert pool.mapped == 1024 and 1024 - 8 <= resident_blocks(pool) < 2048
+    pool.anonymous(600)  # past half the margin: the next ones are mapped
+    wait_for(pool.populated.is_set, "the pool's next blocks")
+    assert pool.mapped - 600 >= 1024 // 2 and pool.mapped - 8 <= resident_blocks(pool) < pool.num_blocks // 2
+    assert not any(a.any() for a in pool.arrays.values())
+
+
+def test_blocks_a_load_filled_are_named_and_a_block_cached_meanwhile_is_shared():
+    kv = manager(pool_blocks=8)
+    pool = kv.pool
+    loaded = pool.anonymous(3, partial=True)
+    for i, b in enumerate(loaded):
+        for array in pool.block(b).values():
+            array[...] = i
+    meanwhile = pool.put({name: array[None] + 7 for name, array in pool.block(loaded[1]).items()}, [b"h1"])
+    ids = pool.named(loaded[:2], [b"h0", b"h1"])
+    pool.release(loaded[2:])  # taken, never filled
+    assert ids == [loaded[0], meanwhile[0]] and pool.lookup([b"h0", b"h1"]) == ids
+    assert pool.refs[meanwhile[0]] == 2 and pool.refs[loaded[1]] == 0 and pool.refs[loaded[2]] == 0
+    assert pool.anonymous(100, partial=True) is not None and len(pool.free) == 0

@@ -111,16 +111,28 @@ def tier(engine, name):
 
 # ---------------------------------------------------------------- the entry format and the disk tier
 
-def test_entries_round_trip_and_refuse_other_namespaces(codec):
-    block, h = random_block(codec), b"h" * 16
+def decoded(codec, h, raw, tmp_path=None):
+    """raw decoded into a new block: from memory (a Redis reply), or from a file under tmp_path."""
+    block = codec.blank()
+    if tmp_path is None:
+        codec.decode_into(h, raw, block)
+    else:
+        (tmp_path / "entry").write_bytes(raw)
+        codec.read_into(tmp_path / "entry", h, block)
+    return block
+
+
+@pytest.mark.parametrize("from_file", [False, True])
+def test_entries_round_trip_and_refuse_other_namespaces(codec, tmp_path, from_file):
+    block, h, where = random_block(codec), b"h" * 16, tmp_path if from_file else None
     raw = codec.encode(h, block)
-    assert same_block(codec.decode(h, raw), block)
+    assert same_block(decoded(codec, h, raw, where), block)
     other = BlockCodec(codec.spec, b"x" * 32)  # another model or KV dtype
-    for bad in (raw[:-1], raw[:20], raw[:-1] + bytes([raw[-1] ^ 1]), other.encode(h, block)):
+    for bad in (raw[:-1], raw[:20], raw + b"\0", raw[:-1] + bytes([raw[-1] ^ 1]), other.encode(h, block)):
         with pytest.raises(ValueError):
-            codec.decode(h, bad)
+            decoded(codec, h, bad, where)
     with pytest.raises(ValueError):
-        codec.decode(b"g" * 16, raw)  # a file renamed onto another block
+        decoded(codec, b"g" * 16, raw, where)  # a file renamed onto another block
 
 
 def test_disk_budget_is_lru_and_a_restart_rebuilds_the_index(codec, tmp_path):
@@ -335,16 +347,32 @@ def test_a_dropped_write_behind_is_demoted_to_disk_on_eviction_and_promoted_back
         assert tier(engine, "disk")["hit_blocks"] > hits
 
 
-def test_a_corrupt_file_under_the_engine_is_recomputed(fp32, codec, tmp_path, patient):
+@pytest.mark.parametrize("damage", ["truncated", "flipped"])
+def test_a_corrupt_file_under_the_engine_is_recomputed(fp32, codec, tmp_path, patient, damage):
+    """The 4th block of a batched load is bad: cut short (refused before reading), or one payload
+    byte flipped (read into its pool block, refused by the checksum there). The load keeps the 3
+    before it, the rest is recomputed with identical output, and no pool block stays taken: the
+    bad block's is freed unnamed, and nothing else is held once the request is done."""
     with LLMEngine(fp32, kv_disk_dir=tmp_path) as first:
         expected = run(first, PROMPT).token_ids
         wait_written(first, "disk", STORED_BLOCKS)
-    fourth = disk_file(tmp_path, codec, chain(codec, PROMPT, 4)[3])  # the 4th block of the chain, by its hash
-    fourth.write_bytes(fourth.read_bytes()[:-7])
+    hashes = chain(codec, PROMPT, HIT_TOKENS // BLOCK)
+    fourth = disk_file(tmp_path, codec, hashes[3])  # the 4th block of the chain, by its hash
+    good = decoded(codec, hashes[3], fourth.read_bytes())
+    raw = bytearray(fourth.read_bytes())
+    if damage == "truncated":
+        del raw[-7:]
+    else:  # a float's sign and exponent byte, mid-payload: garbage if it were ever used
+        raw[codec.head_bytes + codec.payload_bytes // 2 + 3] ^= 0x40
+    fourth.write_bytes(bytes(raw))
     with LLMEngine(fp32, kv_disk_dir=tmp_path) as restarted:
         warm = run(restarted, PROMPT)
         assert warm.token_ids == expected and warm.cached_tokens == 3 * BLOCK
         assert tier(restarted, "disk")["corrupt_blocks"] == 1
+        pool = restarted.kv.pool
+        recomputed = pool.block(pool.by_hash[hashes[3]])  # the prompt's own store, not the damaged entry
+        assert all(np.allclose(recomputed[k], good[k], atol=1e-4) for k in good)
+        assert not pool.refs.any(), "a pool block is still held after the request"
 
 
 def test_engines_share_blocks_through_redis_and_survive_its_death(fp32, redis_server, patient):

@@ -22,6 +22,7 @@ class TierLoads:
         self.refs: dict[int, list[int]] = {}
         if tiers is not None:
             self.pool.on_evict = tiers.demote
+            tiers.pool = self.pool
 
     def start(self, seq: Sequence, hit: list[int], recompute_seconds: float | None) -> bool:
         """Ask the tiers below RAM for the prompt blocks after `hit` (once per request); True if
@@ -39,16 +40,16 @@ class TierLoads:
         return True
 
     def finish(self) -> list[int]:
-        """Promote finished loads into the RAM pool, held for their request until it is admitted
-        (match then finds them); returns the request ids whose loads ended."""
+        """Cache the blocks finished loads decoded into the RAM pool, held for their request until
+        it is admitted (match then finds them); returns the request ids whose loads ended."""
         ended = []
-        for request_id, hashes, found in self.tiers.finished_loads() if self.tiers is not None else []:
-            if found:
-                ids = self.pool.put({name: [block[name] for block in found] for name in self.pool.arrays}, hashes)
-                if request_id in self.refs:
-                    self.refs[request_id] += ids
-                else:  # the request went on without it: the blocks stay cached for the next one
-                    self.pool.release(ids[::-1])
+        for request_id, hashes, taken in self.tiers.finished_loads() if self.tiers is not None else []:
+            self.pool.release(taken[len(hashes):])  # taken, never filled: the chain ended first
+            ids = self.pool.named(taken[:len(hashes)], hashes)
+            if request_id in self.refs:
+                self.refs[request_id] += ids
+            else:  # the request went on without it: the blocks stay cached for the next one
+                self.pool.release(ids[::-1])
             ended.append(request_id)
         return ended
 

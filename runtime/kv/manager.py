@@ -30,11 +30,17 @@ class KVManager:
                  namespace: bytes, tiers: LowerTiers | None = None, optimistic: bool = False):
         self.pool = pool
         self.rows = PackedRows(runner, slots, kv_cache_bytes, optimistic)
+        if pool is not None:  # what one admission wave can bring in lands in mapped pages
+            pool.map_ahead(self.rows.reserved_bytes)
         self.prefix = PrefixCache(pool, namespace, self.rows, tiers)
         self.loads = TierLoads(self.prefix, tiers)
         self.tiers = tiers
         self.block_tokens = runner.block.tokens
         self.swapped_blocks = 0  # pool blocks holding swapped-out rows, within SWAP_RESERVE of the pool
+        # pool blocks that copies decided this schedule may still read (a prefix or a swapped-out
+        # row copied in): released once they ran, as a tier load takes free blocks from its own
+        # thread at any time
+        self.after_copies: list[int] = []
 
     def place(self, seq: Sequence, hit: list[int]) -> None:
         """seq takes a row: a preempted one with its swapped-out KV, a new one with its prefix hit."""
@@ -76,16 +82,25 @@ class KVManager:
         return ids
 
     def swap_in(self, seq: Sequence, row: int, blocks: list[int]) -> None:
-        """Copy a swapped-out row back into row `row` and free its blocks."""
+        """Copy a swapped-out row back into row `row`; its blocks are freed once the copy has run."""
         self.rows.fit_capacity(seq.num_cached + 1)
         self.rows.copy_in(row, self.pool.runs(blocks))
-        self.pool.release(blocks)
+        self.after_copies += blocks
         self.swapped_blocks = max(0, self.swapped_blocks - len(blocks))
+
+    def copies_done(self) -> None:
+        """The copies decided so far have run, or the ones left read no pool block (a step's
+        postprocess: rows moved and shrunk)."""
+        if self.after_copies:
+            self.pool.release(self.after_copies)
+            self.after_copies = []
 
     def release(self, seq: Sequence) -> None:
         """seq left (finished, cancelled, expired; running or not): its references go, its
-        announced blocks are no longer coming."""
-        self.prefix.release(seq)
+        announced blocks are no longer coming. Its cached blocks are released after the copies
+        (it may have been admitted, its prefix copy still to run, in this same schedule)."""
+        self.after_copies += seq.pool_blocks[::-1]  # tail first: evicted first
+        seq.pool_blocks = []
         if self.pool is not None and seq.swapped_blocks is not None:  # cancelled while preempted
             self.pool.release(seq.swapped_blocks)
             self.swapped_blocks -= len(seq.swapped_blocks)

@@ -67,7 +67,8 @@ class PackedRows:
         self._capacities: dict[int, int] = {}  # rows -> _capacity_for(rows)
         self._copies: list[Callable[[], None]] = []
         self.counters = dict(resizes=0, row_moves=0)
-        runner.reserve(min(kv_cache_bytes, slots * slot_bytes(self.tensors, self.max_seq_len)))
+        self.reserved_bytes = min(kv_cache_bytes, slots * slot_bytes(self.tensors, self.max_seq_len))
+        runner.reserve(self.reserved_bytes)
         runner.allocate(1, runner.bucket_for(1))
         self.allocated, self.capacity = runner.slots, runner.capacity
 
@@ -240,8 +241,8 @@ class PackedRows:
 
     def copy_in(self, row: int, runs: list[tuple[int, Blocks]], then: Callable[[float], None] | None = None) -> None:
         """Write pool blocks into `row` (runs as HostBlockPool.runs gives them), then call
-        then(seconds the copy took). The blocks may be released at once: pool blocks are taken
-        only on the engine thread, which runs the copies before it stores anything."""
+        then(seconds the copy took). The caller holds the blocks until the copy has run
+        (KVManager.after_copies)."""
         self._copies.append(partial(self._write, row, runs, then))
 
     def _write(self, row: int, runs: list[tuple[int, Blocks]], then: Callable[[float], None] | None) -> None:

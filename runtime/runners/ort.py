@@ -10,7 +10,6 @@ The interface they share is runtime/runners/base.py.
 from __future__ import annotations
 
 import ctypes
-import mmap
 import os
 import threading
 from pathlib import Path
@@ -19,10 +18,8 @@ import numpy as np
 
 from kvforge.engine_config import DEFAULT_SPIN_US, read_variable
 from kvforge.manifest import CacheTensor, Manifest, ManifestError
+from runtime.pages import populate
 from runtime.runners.base import Blocks, Runner, as_blocks, as_tokens, pack_step
-
-MADV_POPULATE_WRITE = 23  # linux/mman.h
-POPULATE_CHUNK_BYTES = 64 << 20
 
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "uint8": np.uint8}
 
@@ -75,13 +72,11 @@ class SlotReservation:
     """One flat array per cache tensor (its heads x width per position, as the manifest sizes
     it: kvforge.manifest.CacheTensor) holding `tokens` slot positions (rows x capacity), kept for
     the runner's life: every layout within it is a view of its start, and a resize moves each
-    row's KV inside it. Why: a page touched for the first time costs ~1 ms per MB on this VM (a
-    2K-token row moved into a new buffer took ~100 ms, a resize into new zeroed arrays 5-260 ms,
-    each a stall for every decoding stream). So a background thread maps every page at once
-    (MADV_POPULATE_WRITE: 0.6-1.2 s per GiB here, contents untouched), as GPU engines allocate
-    their whole KV cache at startup: the process holds the reservation from then on. Views hold
-    stale (finite) KV beyond each row's length, as reused rows always have: attention reads a
-    row only up to its write position."""
+    row's KV inside it. Why: a page touched for the first time is slow on this VM (runtime/pages.py;
+    a resize into new zeroed arrays took 5-260 ms, a stall for every decoding stream). So a
+    background thread maps every page at once, and the process holds the reservation from then
+    on. Views hold stale (finite) KV beyond each row's length, as reused rows always have:
+    attention reads a row only up to its write position."""
 
     def __init__(self, tensors: tuple[CacheTensor, ...], tokens: int):
         self.tokens = tokens
@@ -93,17 +88,10 @@ class SlotReservation:
         threading.Thread(target=self._populate, name="kvforge-kv-populate", daemon=True).start()
 
     def _populate(self) -> None:
-        """Without MADV_POPULATE_WRITE (Linux < 5.14) pages come at their first write instead."""
-        libc = ctypes.CDLL(None, use_errno=True)  # a CDLL call releases the GIL
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        page = mmap.PAGESIZE
         try:
             for array in self.flat.values():
-                start = -(-array.ctypes.data // page) * page
-                end = (array.ctypes.data + array.nbytes) // page * page
-                for chunk in range(start, end, POPULATE_CHUNK_BYTES):
-                    if libc.madvise(chunk, min(POPULATE_CHUNK_BYTES, end - chunk), MADV_POPULATE_WRITE) != 0:
-                        return
+                if not populate(array):
+                    break
         finally:
             self.populated.set()
 

@@ -1,7 +1,8 @@
 """What every tier below RAM offers (LMCache's storage backends are the model), and its counters.
 
-A tier stores encoded entries (tiers/codec.py) by block hash. `get_many` returns the leading
-run of the hashes it holds, decoded; `put_many` stores entries; neither raises on a fault: a
+A tier stores encoded entries (tiers/codec.py) by block hash. `get_many` decodes the leading
+run of the hashes it holds into blocks it is given (in the engine: host pool blocks, written in
+place) and returns them; `put_many` stores entries; neither raises on a fault: a
 failing tier is a miss, counted in its stats. Both take the blocks' placement tags (which
 blocks a distributed tier keeps together); a local tier ignores them. `present` is a cheap upper bound of that run, for
 the load-or-recompute estimate.
@@ -11,11 +12,15 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections import deque
+from typing import Callable
 
 import numpy as np
 
 from runtime.kv.tiers.codec import Arrays
 
+# Blocks for the next n entries a tier has found, to decode into (fewer: no room for more).
+# Default: new arrays (BlockCodec.blanks).
+Into = Callable[[int], list[Arrays]]
 LATENCY_SAMPLES = 256
 # used until a tier has measured itself (bytes/s); deliberately optimistic so a first load is tried
 INITIAL_BANDWIDTH = {"disk": 500e6, "redis": 100e6, "handoff": 2e9}
@@ -76,9 +81,10 @@ class Tier(ABC):
         return len(hashes)
 
     @abstractmethod
-    def get_many(self, hashes: list[bytes], tags: list[bytes] | None = None) -> list[Arrays]:
-        """The leading run of hashes the tier holds, decoded and checked. tags: each block's
-        placement tag (kvforge.block_hash.placement_tags), for a tier that spreads blocks over nodes."""
+    def get_many(self, hashes: list[bytes], tags: list[bytes] | None = None, into: Into | None = None) -> list[Arrays]:
+        """The leading run of hashes the tier holds, decoded into `into`'s blocks and checked. tags:
+        each block's placement tag (kvforge.block_hash.placement_tags), for a tier that spreads
+        blocks over nodes. A tier asks `into` in run order, for the entries it has found so far."""
 
     @abstractmethod
     def put_many(self, entries: list[tuple[bytes, bytes]], tags: list[bytes] | None = None) -> int:

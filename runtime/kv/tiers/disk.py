@@ -16,7 +16,7 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
-from runtime.kv.tiers.base import Tier, TierStats
+from runtime.kv.tiers.base import Into, Tier, TierStats
 from runtime.kv.tiers.codec import Arrays, BlockCodec, CorruptEntry
 
 log = logging.getLogger("kvforge.tiers")
@@ -81,38 +81,37 @@ class DiskTier(Tier):
         with self.lock:
             return next((i for i, h in enumerate(hashes) if h not in self.index), len(hashes))
 
-    def get_many(self, hashes: list[bytes], tags: list[bytes] | None = None) -> list[Arrays]:
-        """The leading run; a bad file ends it (a chain does not continue past a hole)."""
+    def get_many(self, hashes: list[bytes], tags: list[bytes] | None = None, into: Into | None = None) -> list[Arrays]:
+        """The leading run (hashes: what present() found); a bad file ends it (a chain does not
+        continue past a hole)."""
         found = []
-        for block_hash in hashes:
-            arrays = self._get(block_hash)
-            if arrays is None:
+        for block_hash, block in zip(hashes, (into or self.codec.blanks)(len(hashes))):
+            if not self._get(block_hash, block):
                 break
-            found.append(arrays)
+            found.append(block)
         return found
 
-    def _get(self, block_hash: bytes) -> Arrays | None:
+    def _get(self, block_hash: bytes, block: Arrays) -> bool:
         with self.lock:
             if not self.enabled or block_hash not in self.index:
                 self.stats.count("miss_blocks")
-                return None
+                return False
             self.index.move_to_end(block_hash)
         path = self._path(block_hash)
         began = time.perf_counter()
         try:
-            raw = path.read_bytes()
-            arrays = self.codec.decode(block_hash, raw)
+            self.codec.read_into(path, block_hash, block)
         except (OSError, CorruptEntry) as e:
             self._forget(block_hash, corrupt=isinstance(e, CorruptEntry))
-            return None
-        self.stats.measured(time.perf_counter() - began, len(raw))
+            return False
+        self.stats.measured(time.perf_counter() - began, self.codec.entry_bytes)
         self.stats.count("hit_blocks")
-        self.stats.count("read_bytes", len(raw))
+        self.stats.count("read_bytes", self.codec.entry_bytes)
         try:
             os.utime(path)  # recency survives a restart
         except OSError:
             pass
-        return arrays
+        return True
 
     def _forget(self, block_hash: bytes, corrupt: bool) -> None:
         with self.lock:

@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from runtime.kv.tiers.base import Tier, TierStats
+from runtime.kv.tiers.base import Into, Tier, TierStats
 from runtime.kv.tiers.codec import Arrays, BlockCodec, CorruptEntry
 
 SUFFIX = ".kvb"
@@ -40,23 +40,24 @@ class HandoffTier(Tier):
     def present(self, hashes: list[bytes]) -> int:
         return next((i for i, h in enumerate(hashes) if not self._path(h).exists()), len(hashes))
 
-    def get_many(self, hashes: list[bytes], tags: list[bytes] | None = None) -> list[Arrays]:
-        """The leading run of hashes handed off, each file deleted once read (the lease is taken)."""
+    def get_many(self, hashes: list[bytes], tags: list[bytes] | None = None, into: Into | None = None) -> list[Arrays]:
+        """The leading run of hashes handed off (hashes: what present() found), each file deleted
+        once read (the lease is taken)."""
         found = []
-        for h in hashes:
+        for h, block in zip(hashes, (into or self.codec.blanks)(len(hashes))):
             path = self._path(h)
             began = time.perf_counter()
             try:
-                raw = path.read_bytes()
-                found.append(self.codec.decode(h, raw))
+                self.codec.read_into(path, h, block)
+                found.append(block)
             except FileNotFoundError:
                 break
             except (OSError, CorruptEntry):
                 self.stats.count("corrupt_blocks")
                 path.unlink(missing_ok=True)
                 break
-            self.stats.measured(time.perf_counter() - began, len(raw))
-            self.stats.count("read_bytes", len(raw))
+            self.stats.measured(time.perf_counter() - began, self.codec.entry_bytes)
+            self.stats.count("read_bytes", self.codec.entry_bytes)
             path.unlink(missing_ok=True)
         self.stats.count("hit_blocks", len(found))
         self.stats.count("miss_blocks", len(hashes) - len(found))

@@ -16,7 +16,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from runtime.kv.tiers.base import Tier, TierStats
+from runtime.kv.tiers.base import Into, Tier, TierStats
 from runtime.kv.tiers.codec import Arrays, BlockCodec, CorruptEntry
 
 log = logging.getLogger("kvforge.tiers")
@@ -28,6 +28,7 @@ URL_FORMAT = "redis://[:PASSWORD@]HOST:PORT/DB or rediss://..."
 # request (puts) or reply (gets) in memory at once.
 PIECE_BYTES = 8 << 20  # measured best of 2-256 MiB on loopback (bench/tier_rate.py)
 NODE_THREADS = 8  # a cluster's primaries served at once; more primaries queue
+DECODED = b"decoded"  # a get's reply once copied into its block (not None: the run goes on)
 
 
 class Backoff:
@@ -133,12 +134,13 @@ class RedisTier(Tier):
             groups.setdefault(node.name, (node, []))[1].append(i)
         return [(name, client.get_redis_connection(node), indices) for name, (node, indices) in groups.items()]
 
-    def _pipelined(self, keys: list[bytes], add, leading_run: bool = False) -> list:
+    def _pipelined(self, keys: list[bytes], add, leading_run: bool = False, arrived=None) -> list:
         """Run add(pipe, key) for every key: per node, pipelines of at most PIECE_BYTES of entries
         one after another, the nodes of a cluster in parallel. A node that fails (or a key whose
         slot moved) gives None for its keys, counted as an error, and refreshes the slot map.
         leading_run: only the replies before the first None matter (a get of a chain), so a node
-        stops at a piece with a None in it (its later keys all come after it)."""
+        stops at a piece with a None in it (its later keys all come after it). arrived(results)
+        is called after each piece (from a node's thread)."""
         try:
             groups = self._by_node(keys)
         except self.errors as e:
@@ -173,6 +175,8 @@ class RedisTier(Tier):
                         self.stats.count("errors")
                     else:
                         results[i] = reply
+                if arrived is not None:
+                    arrived(results)
                 if leading_run and any(results[i] is None for i in piece):
                     return
 
@@ -197,24 +201,40 @@ class RedisTier(Tier):
         except self.errors as e:
             log.debug("refreshing the Redis Cluster slot map failed: %s", e)
 
-    def get_many(self, hashes: list[bytes], tags: list[bytes] | None = None) -> list[Arrays]:
+    def get_many(self, hashes: list[bytes], tags: list[bytes] | None = None, into: Into | None = None) -> list[Arrays]:
         """The leading run of hashes that Redis holds (tags: their placement tags; default: each
-        block its own group)."""
+        block its own group), copied from the replies into `into`'s blocks."""
         if not hashes or not self.available():
             self.stats.count("miss_blocks", len(hashes))
             return []
         began = time.perf_counter()
         keys = [self.key(h, t) for h, t in zip(hashes, tags or hashes)]
-        values = self._pipelined(keys, lambda pipe, key: pipe.get(key), leading_run=True)
-        found = []
-        for h, raw in zip(hashes, values):
-            if raw is None:
-                break
-            try:
-                found.append(self.codec.decode(h, raw))
-            except CorruptEntry:
-                self.stats.count("corrupt_blocks")
-                break
+        into = into or self.codec.blanks
+        found: list[Arrays] = []
+        ended, lock = False, threading.Lock()
+
+        def decode(results: list) -> None:
+            """Decode the replies that extend the run as their pieces arrive (a cluster's nodes in
+            any order) and drop each once copied: a long prefix's replies never pile up in
+            memory the process has not touched before (this VM's slow first touch)."""
+            nonlocal ended
+            with lock:
+                start = end = len(found)
+                while not ended and end < len(results) and results[end] is not None:
+                    end += 1
+                blocks = into(end - start) if end > start else []
+                ended |= len(blocks) < end - start  # the pool cannot spare more
+                for i, block in enumerate(blocks, start):
+                    try:
+                        self.codec.decode_into(hashes[i], results[i], block)
+                    except CorruptEntry:
+                        self.stats.count("corrupt_blocks")
+                        ended = True
+                        break
+                    results[i] = DECODED
+                    found.append(block)
+
+        self._pipelined(keys, lambda pipe, key: pipe.get(key), leading_run=True, arrived=decode)
         nbytes = len(found) * self.codec.entry_bytes
         self.stats.measured(time.perf_counter() - began, nbytes)
         self.stats.count("hit_blocks", len(found))
