@@ -63,7 +63,7 @@ ifneq ($(KV_REDIS_URL),)
 export KVFORGE_KV_REDIS_URL := $(KV_REDIS_URL)
 endif
 
-.PHONY: setup export verify build-engines repository serve run fleet test test-bench bench bench-long-context bench-long-doc-qa soak redis redis-cluster clean
+.PHONY: setup export verify build-engines repository serve run fleet test test-bench bench bench-long-context bench-long-doc-qa bench-big-models soak redis redis-cluster clean
 
 setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -174,6 +174,14 @@ bench-long-doc-qa: setup
 	$(MAKE) $(LONG_EXPORT)/manifest.json MODEL=long-llama MAX_SEQ_LEN=131072 EXPORT_DIR=$(LONG_EXPORT)
 	$(PY) -m bench.long_context $(LONG_EXPORT) --doc-qa --docs $(DOCS) --doc-tokens $(DOC_TOKENS) \
 		--questions $(DOC_QUESTIONS) --concurrency $(DOC_CONCURRENCY) $(if $(DOC_POOL),--pool-documents $(DOC_POOL),)
+
+# issue 40: export and int4 build peak RSS and time of random checkpoints with Qwen2.5-0.5B's, Llama-3.2-1B/3B's
+# and Llama-3.1-8B's configs (BIG_MODELS), then Qwen3-30B-A3B's MoE layers vs a dense model of their active
+# parameters at batch-1 decode; ~1 h on 2 cores, up to 60 GB of disk at once (build/checkpoints/big, build/exports)
+BIG_MODELS ?= qwen2.5-0.5b,llama-3.2-1b,llama-3.2-3b,llama-3.1-8b
+bench-big-models: setup
+	$(PY) -m bench.big_models --models $(BIG_MODELS) --drop-checkpoints
+	$(PY) -m bench.big_models --moe
 
 clean:
 	rm -rf build results model_repository/*/config.pbtxt model_repository/*/1/engine

@@ -2,18 +2,21 @@
 size, on random bf16 checkpoints with real models' exact configs, written a tensor at a time.
 
     python -m bench.big_models [--models qwen2.5-0.5b,llama-3.2-1b,llama-3.2-3b,llama-3.1-8b]
-        [--weights int4] [--max-seq-len 4096] [--out results/big_models.json]
+        [--weights int4] [--max-seq-len 4096] [--drop-checkpoints] [--out results/big_models.json]
     python -m bench.big_models --moe [--weights int4] [--threads N]
 
 --moe: batch-1 decode of a random checkpoint with Qwen3-30B-A3B's layer shapes (MOE_LAYERS of its 48
 layers) beside a dense Qwen3 of the same active parameters (the k experts' width as its MLP): step
 time, weight bytes a step reads, and the time those bytes take at the measured read bandwidth.
 
-Each stage runs as its own process; its peak RSS is the kernel's (os.wait4's ru_maxrss), beside
-the checkpoint's largest tensor in float32, the bound the design aims at (about the import
-baseline plus twice a decoder layer). Checkpoints go to build/checkpoints/big/, exports to
-build/exports/big-*, engines to build/engines/big-*-<weights>. Saves JSON, a PNG and a table.
-Random weights: memory and time only, no quality.
+Each stage runs as its own process; its peak RSS is the kernel's (os.wait4's ru_maxrss, from a
+small spawner: PEAK_RSS_PROBE), beside the checkpoint's largest tensor in float32 (the design's
+bound: the import and tracing baseline plus about twice the largest tensor or decoder layer). Then
+the engine's time to first token for a 1,024-token prompt and its decode tokens/s at batch 1, in
+process. Checkpoints go to build/checkpoints/big/, exports to build/exports/big-* (deleted once
+built), engines to build/engines/big-*-<weights>. Saves JSON, a PNG and a table. Random weights:
+memory and speed only, no quality. llama.cpp is not run beside them: its converter needs a
+tokenizer that covers the model's vocabulary, and these checkpoints carry the presets' 4,096-token one.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -59,6 +63,7 @@ QWEN3_30B_A3B = dict(architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, nu
                      eos_token_id=2, hidden_act="silu")
 MOE_LAYERS = 4
 MOE_PROMPT, MOE_STEPS = 64, 48
+PROMPT_TOKENS, DECODE_STEPS = 1024, 16  # the size sweep's time to first token and decode speed
 SHARD_BYTES = 2 << 30
 
 
@@ -170,12 +175,14 @@ def largest_tensor_bytes(checkpoint: Path) -> tuple[int, int]:
     return parameters, largest
 
 
-def run(models: list[str], weights: str, max_seq_len: int) -> dict:
+def run(models: list[str], weights: str, max_seq_len: int, drop_checkpoints: bool) -> dict:
     py = sys.executable
     rows = []
     for name in models:
         say(f"{name}: random bf16 checkpoint")
-        checkpoint = random_checkpoint(CONFIGS[name], ROOT / "build" / "checkpoints" / "big" / name)
+        checkpoint = ROOT / "build" / "checkpoints" / "big" / name
+        generated = not checkpoint.exists()
+        random_checkpoint(CONFIGS[name], checkpoint)
         parameters, largest = largest_tensor_bytes(checkpoint)
         export_dir = ROOT / "build" / "exports" / f"big-{name}"
         engine_dir = ROOT / "build" / "engines" / f"big-{name}-{weights}"
@@ -188,11 +195,16 @@ def run(models: list[str], weights: str, max_seq_len: int) -> dict:
                           "--weights", weights, "--out", str(engine_dir)])
         say(f"{name}: built in {build['seconds']} s, peak RSS {build['peak_rss_bytes'] / 2**30:.2f} GiB")
         engine = json.loads((engine_dir / "manifest.json").read_text())["engine"]
+        say(f"{name}: a {PROMPT_TOKENS}-token prefill and {DECODE_STEPS} decode steps at batch 1")
+        prefill, steps = decode_steps(engine_dir, os.cpu_count(), PROMPT_TOKENS, DECODE_STEPS)
         rows.append({"model": name, "parameters": parameters, "largest_tensor_fp32_bytes": largest,
                      "export": export, "build": build, "engine_bytes": engine["size_bytes"],
+                     "ttft_1k_s": round(prefill, 2), "decode_tokens_per_s": round(1 / statistics.median(steps), 2),
                      "parity_scope": engine["parity_scope"], "parity_max_abs_diff": engine["parity_max_abs_diff"],
                      "export_bytes": sum(f.stat().st_size for f in export_dir.iterdir() if f.is_file())})
         shutil.rmtree(export_dir)  # 4 bytes a parameter: the disk, not the RAM, is what runs out next
+        if drop_checkpoints and generated:
+            shutil.rmtree(checkpoint)
     return {"weights": weights, "max_seq_len": max_seq_len, "threads": os.cpu_count(), "models": rows}
 
 
@@ -223,22 +235,25 @@ def active_step_bytes(engine_dir: Path, config: dict) -> int:
     return total - experts + int(experts * share)
 
 
-def decode_steps(engine_dir: Path, threads: int) -> list[float]:
-    """Seconds of each batch-1 decode step after a MOE_PROMPT-token prefill."""
+def decode_steps(engine_dir: Path, threads: int, prompt_tokens: int, steps: int) -> tuple[float, list[float]]:
+    """(seconds of a batch-1 prefill of prompt_tokens, the time to first token without a server;
+    seconds of each decode step after it)."""
     import numpy as np
 
     from runtime.greedy import Greedy
     from runtime.runners import open_runner
 
-    prompt = np.random.default_rng(0).integers(3, 4000, MOE_PROMPT).tolist()
-    run = Greedy(open_runner(engine_dir, threads=threads), [prompt], MOE_STEPS + 1)
+    prompt = np.random.default_rng(0).integers(3, 4000, prompt_tokens).tolist()
+    run = Greedy(open_runner(engine_dir, threads=threads), [prompt], steps + 1)
+    began = time.perf_counter()
     run.prefill(every_position=False)
+    prefill = time.perf_counter() - began
     seconds = []
-    for _ in range(MOE_STEPS):
+    for _ in range(steps):
         began = time.perf_counter()
         run.step()
         seconds.append(time.perf_counter() - began)
-    return seconds
+    return prefill, seconds
 
 
 def read_bandwidth(threads: int) -> float:
@@ -250,8 +265,6 @@ def read_bandwidth(threads: int) -> float:
 
 
 def moe_run(layers: int, weights: str, threads: int) -> dict:
-    import statistics
-
     py, rows = sys.executable, []
     for kind, config in moe_configs(layers).items():
         name = f"qwen3-30b-a3b-{layers}-layers-{kind.split(',')[0]}"
@@ -263,7 +276,7 @@ def moe_run(layers: int, weights: str, threads: int) -> dict:
                           "--out", str(engine_dir)])
         shutil.rmtree(export_dir)
         say(f"{name}: {MOE_STEPS} decode steps at batch 1")
-        steps = decode_steps(engine_dir, threads)
+        _, steps = decode_steps(engine_dir, threads, MOE_PROMPT, MOE_STEPS)
         median, active = statistics.median(steps), active_step_bytes(engine_dir, config)
         rows.append({"model": kind, "config": name, "parameters": largest_tensor_bytes(checkpoint)[0],
                      "export": export, "build": build, "step_ms_median": round(median * 1e3, 2),
@@ -293,11 +306,12 @@ def moe_report(result: dict, out: Path) -> None:
 def report(result: dict, out: Path) -> None:
     gib = 2 ** 30
     print("\n".join(table(["model", "parameters", "largest fp32 tensor GiB", "export s", "export peak GiB",
-                 f"build {result['weights']} s", "build peak GiB", "engine GiB", "parity on"],
+                 f"build {result['weights']} s", "build peak GiB", "engine GiB", "TTFT 1K s", "decode tok/s",
+                 "parity on"],
                 [[r["model"], f"{r['parameters'] / 1e9:.2f}B", f"{r['largest_tensor_fp32_bytes'] / gib:.2f}",
                   r["export"]["seconds"], f"{r['export']['peak_rss_bytes'] / gib:.2f}", r["build"]["seconds"],
-                  f"{r['build']['peak_rss_bytes'] / gib:.2f}", f"{r['engine_bytes'] / gib:.2f}", r["parity_scope"]]
-                 for r in result["models"]])))
+                  f"{r['build']['peak_rss_bytes'] / gib:.2f}", f"{r['engine_bytes'] / gib:.2f}", r["ttft_1k_s"],
+                  r["decode_tokens_per_s"], r["parity_scope"]] for r in result["models"]])))
     write_json(out, result)
     import matplotlib
 
@@ -328,6 +342,9 @@ def main() -> None:
                         help=f"instead: decode of Qwen3-30B-A3B's shapes ({MOE_LAYERS} layers) vs a dense model of "
                              f"its active parameters (results/big_models_moe.json)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--drop-checkpoints", action="store_true",
+                        help="delete each checkpoint this run generated once its model is measured (disk: an 8B "
+                             "one is 16 GB, its export 30 GB)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.moe:
@@ -337,7 +354,7 @@ def main() -> None:
     unknown = [m for m in models if m not in CONFIGS]
     if unknown:
         raise SystemExit(f"unknown models {unknown}; choose from {', '.join(CONFIGS)}")
-    report(run(models, args.weights, args.max_seq_len), args.out or ROOT / "results" / "big_models.json")
+    report(run(models, args.weights, args.max_seq_len, args.drop_checkpoints), args.out or ROOT / "results" / "big_models.json")
 
 
 if __name__ == "__main__":

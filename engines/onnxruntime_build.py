@@ -96,7 +96,7 @@ def quantize_weights(src: Path, dst: Path, weights: str) -> None:
 def quantize_matmuls(model, bits: int, keep: set[str], store: EngineWeights) -> None:
     """Each MatMul x @ W (and Gemm x @ W^T: the untied lm_head's) of a constant 2-D W, in any
     subgraph, but the nodes named in keep: int8 as com.microsoft DynamicQuantizeMatMul (W int8
-    [K, N], symmetric, a scale per column); int4 as MatMulNBits (W^T in blocks of 32 along K,
+    [K, N], symmetric, a scale per column, no zero point); int4 as MatMulNBits (W^T in blocks of 32 along K,
     zero-padded to whole blocks, symmetric: the default zero point 8)."""
     from onnx import helper
 
@@ -135,8 +135,7 @@ def quantize_matrix(store: EngineWeights, name: str, w: np.ndarray, bits: int) -
         scale[scale == 0] = 1.0
         store.put(name + ".int8", np.clip(np.round(w / scale), -127, 127).astype(np.int8))
         store.put(name + ".scale", scale.astype(np.float32))
-        store.put(name + ".zero_point", np.zeros(w.shape[1], np.int8))
-        return [name + ".int8", name + ".scale", name + ".zero_point"]
+        return [name + ".int8", name + ".scale"]  # no zero point: symmetric
     wt = np.ascontiguousarray(w.T)  # [N, K]: MatMulNBits' blocks run along K for each output
     if wt.shape[1] % EXPERT_BLOCK:
         wt = np.pad(wt, ((0, 0), (0, -wt.shape[1] % EXPERT_BLOCK)))
