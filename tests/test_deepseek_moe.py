@@ -223,7 +223,8 @@ def test_deepseek_moe_config_facts_and_refusals():
     assert not spec("v2-greedy", norm_topk_prob=True).norm_topk_prob  # DeepseekV2TopkRouter does not read it
     assert spec("v2-greedy", drop=("topk_method",)).routing == "greedy"  # DeepseekV2Config's default
     v3 = spec("v3", scoring_func="sigmoid", topk_method="noaux_tc")  # the hub's keys, not read by 5.24
-    assert (v3.routing, v3.norm_topk_prob, v3.routed_scaling_factor, v3.sparse_layers) == ("noaux_tc", True, 2.5, (1, 2))
+    assert (v3.routing, v3.norm_topk_prob, v3.routed_scaling_factor, v3.sparse_layers) == \
+        ("noaux_tc", True, 2.5, (1, 2))
     assert spec("v3", drop=("routed_scaling_factor",)).routed_scaling_factor == 2.5
     assert spec("v3", first_k_dense_replace=3).num_experts == 0  # every layer dense
     assert spec("v3", n_routed_experts=None).sparse_layers == ()
