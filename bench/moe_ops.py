@@ -12,6 +12,10 @@ active parameters; and the MoE node as `engines build --weights int8|int4` makes
 engines.onnxruntime_build.quantize_experts), in blocks of 32 and with one scale per row. Random fp32 weights; the same router logits for all; the outputs are checked
 against each other before timing. Median of the timed calls, microseconds.
 
+--routing: DeepSeek's routings alone (export.model.moe.DeepseekMoE.choose: V2 greedy, V2
+group_limited_greedy over 8 groups keeping 3, V3 noaux_tc over 8 groups keeping 4), exported, checked
+against the eager module and timed: what they add in front of the MoE node.
+
 --models: whole exports at batch 1: decode tokens/s of a random Qwen3-MoE checkpoint of these
 shapes (MODEL_LAYERS layers) beside the dense Qwen3 of the same active parameters (intermediate
 size k x I), the two taking turns (bench.common.interleaved_steps)."""
@@ -126,6 +130,48 @@ def median_us(session, x: np.ndarray, calls: int) -> float:
     return float(np.median(times)) * 1e6
 
 
+def routing_ops(threads: int, calls: int) -> dict[tuple[str, int], float]:
+    """(routing, tokens) -> median us of DeepseekMoE.choose over router logits [tokens, EXPERTS]."""
+    import logging
+    import tempfile
+    import warnings
+    from pathlib import Path
+
+    import onnxruntime as ort
+    import torch
+
+    from export.model.moe import DeepseekMoE
+    from kvforge.manifest import ModelSpec
+
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    times = {}
+    for routing, groups, kept in (("greedy", 1, 1), ("group_limited_greedy", 8, 3), ("noaux_tc", 8, 4)):
+        spec = ModelSpec(architecture="DeepseekV3ForCausalLM", num_layers=1, hidden_size=HIDDEN, num_heads=1,
+                         num_kv_heads=1, head_dim=64, intermediate_size=WIDTH, vocab_size=2, max_positions=1,
+                         rope_theta=1e4, rms_norm_eps=1e-6, attention_bias=False, tie_word_embeddings=False,
+                         num_experts=EXPERTS, experts_per_token=K, expert_intermediate_size=WIDTH, sparse_layers=(0,),
+                         norm_topk_prob=routing == "noaux_tc", routing=routing, expert_groups=groups,
+                         expert_groups_per_token=kept, routed_scaling_factor=2.5)
+        block = DeepseekMoE(spec).eval()
+        block.forward = block.choose  # the routing alone: logits -> (the node's logits, the factor)
+        torch.nn.init.normal_(block.gate.weight, 0.0, 0.1)
+        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            path = str(Path(tmp) / "choose.onnx")
+            torch.onnx.export(block, (torch.randn(4, EXPERTS),), path, dynamo=True, opset_version=24, report=False,
+                              dynamic_shapes=({0: torch.export.Dim("T", min=1)},), input_names=["x"])
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = threads
+            session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+            for tokens in TOKENS:
+                x = np.random.default_rng(tokens).standard_normal((tokens, EXPERTS), dtype=np.float32)
+                (logits, factor), (eager_logits, eager_factor) = session.run(None, {"x": x}), block(torch.from_numpy(x))
+                np.testing.assert_allclose(factor, eager_factor.numpy(), rtol=1e-5)
+                np.testing.assert_allclose(logits, eager_logits.numpy(), rtol=1e-5)  # -inf at the same experts
+                times[routing, tokens] = median_us(session, x, calls)
+    return times
+
+
 def whole_models(threads: int, steps: int) -> dict[str, float]:
     """name -> decode tokens/s at batch 1, MODEL_CONTEXT cached tokens (random weights, fp32, in place)."""
     import tempfile
@@ -164,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--models", action="store_true", help="also time whole exports (MoE vs dense, batch 1)")
+    parser.add_argument("--routing", action="store_true", help="also time DeepSeek's routing ops alone")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     options = ort.SessionOptions()
@@ -185,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{tokens} token(s): " + ", ".join(f"{name} {us:,.0f} us" for name, us in times.items()))
         print("  quantized experts' max error / max |output|: "
               + ", ".join(f"{name} {error:.3f}" for name, error in errors.items()))
+    if args.routing:
+        for (routing, tokens), us in routing_ops(args.threads, args.calls).items():
+            print(f"DeepSeek {routing} routing, {tokens} token(s): {us:,.1f} us")
     if args.models:
         rates = whole_models(args.threads, args.calls // 4)
         print(f"{MODEL_LAYERS}-layer exports, batch 1 at {MODEL_CONTEXT} tokens: "

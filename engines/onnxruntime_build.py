@@ -150,8 +150,9 @@ def quantize_experts(model, bits: int, block: int | None = EXPERT_BLOCK, store: 
     `bits` in blocks of `block` along the input (one fp32 scale per row for None, or where a width does
     not divide: QMoE's column-wise form), its default zero point 2^(bits-1) the symmetric offset; int4 at
     accuracy_level 4 (int8 activations), as MatMulNBits here. Returns the names of the nodes that must
-    stay fp32: the routers (the MatMul/Gemm feeding a MoE's router_probs: transformers routes in fp32,
-    and a quantized router changes which experts run, not only by how much) and Qwen2-MoE's
+    stay fp32: the routers (the MatMul/Gemm nearest upstream of a MoE's router_probs, through
+    DeepSeek's routing ops: transformers routes in fp32, and a quantized router changes which
+    experts run, not only by how much; DeepSeek-V3's bias is an Add, never quantized) and Qwen2-MoE's
     shared-expert gate (the projection feeding a Sigmoid directly, one row of hidden_size weights).
     store None: an in-memory model (bench.moe_ops)."""
     from onnx import helper
@@ -160,7 +161,7 @@ def quantize_experts(model, bits: int, block: int | None = EXPERT_BLOCK, store: 
     store = store or EngineWeights(model)
     producer = {out: node for node in model.graph.node for out in node.output}
     sparse = [node for node in model.graph.node if (node.domain, node.op_type) == ("com.microsoft", "MoE")]
-    keep = [producer[node.input[1]].name for node in sparse]
+    keep = [name for node in sparse for name in routers(node, producer)]
     if sparse:
         keep += [producer[node.input[0]].name for node in model.graph.node if node.op_type == "Sigmoid"
                  and node.input[0] in producer and producer[node.input[0]].op_type in ("MatMul", "Gemm")]
@@ -183,6 +184,23 @@ def quantize_experts(model, bits: int, block: int | None = EXPERT_BLOCK, store: 
     if in_memory:
         store.finish()
     return keep
+
+
+def routers(node, producer: dict) -> list[str]:
+    """The MatMul/Gemm nodes nearest upstream of a MoE node's router_probs: the projection itself
+    for softmax routing, behind DeepSeek's routing ops (TopK, ScatterElements, ...) otherwise. Shapes
+    are not followed: they read no values (and lead back through the block's input to attention)."""
+    found, seen, pending = [], set(), [node.input[1]]
+    while pending:
+        step = producer.get(pending.pop())
+        if step is None or id(step) in seen or step.op_type == "Shape":
+            continue
+        seen.add(id(step))
+        if step.op_type in ("MatMul", "Gemm"):
+            found.append(step.name)
+        else:
+            pending.extend(step.input)
+    return found
 
 
 def quantize_blocks(weight: np.ndarray, bits: int, block: int | None) -> tuple[np.ndarray, np.ndarray]:

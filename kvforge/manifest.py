@@ -38,11 +38,26 @@ MOE_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": ("moe_intermediate_size", "norm_topk_prob"),
     "Qwen2MoeForCausalLM": ("moe_intermediate_size", "norm_topk_prob"),
 }
-# Why DeepSeek's MoE layers (and any other routing) are not exported: ONNX Runtime's MoE/QMoE CPU
-# kernels route by a softmax over the router logits and its top k only.
-MOE_ROUTING_REFUSED = ("ONNX Runtime's MoE kernels route by softmax top-k only, and DeepSeek's routing (topk_method "
-                       "greedy / group_limited_greedy / noaux_tc, sigmoid scores, routed_scaling_factor) is not "
-                       "that")
+# Why routings other than the families' own are not exported: ONNX Runtime's MoE/QMoE CPU kernels
+# route by a softmax over the router logits and its top k only; DeepSeek's routings are computed in
+# front of them (export.model.moe.DeepseekMoE), for DeepSeek-V2/V3 checkpoints alone.
+MOE_ROUTING_REFUSED = ("ONNX Runtime's MoE kernels route by softmax top-k only; DeepSeek's routings (topk_method "
+                       "greedy / group_limited_greedy, V3's sigmoid noaux_tc) are computed in front of them for "
+                       "DeepseekV2/V3ForCausalLM checkpoints alone")
+# DeepSeek's MoE config keys and transformers 5.24's defaults for them (DeepseekV2Config, DeepseekV3Config),
+# for a config.json that leaves one out. V2 reads topk_method, V3 always routes as noaux_tc (its
+# scoring_func and topk_method are not read); V2 does not read norm_topk_prob; neither reads moe_layer_freq.
+DEEPSEEK_MOE_DEFAULTS = {
+    "DeepseekV2ForCausalLM": {"n_routed_experts": 64, "num_experts_per_tok": None, "moe_intermediate_size": 1407,
+                              "n_shared_experts": 2, "first_k_dense_replace": 0, "routed_scaling_factor": 1.0,
+                              "topk_method": "greedy", "n_group": None, "topk_group": None},
+    "DeepseekV3ForCausalLM": {"n_routed_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048,
+                              "n_shared_experts": 1, "first_k_dense_replace": 3, "routed_scaling_factor": 2.5,
+                              "n_group": 8, "topk_group": 4, "norm_topk_prob": True},
+}
+# What the MoE node is fed per routing (ModelSpec.routing): "softmax" (Mixtral, Qwen: the router's
+# logits as they are) or DeepSeek's, each computed before the node (export.model.moe.DeepseekMoE.choose).
+ROUTINGS = ("softmax", "greedy", "group_limited_greedy", "noaux_tc")
 # Gemma 2/3: embeddings x sqrt(hidden), (1 + weight) RMSNorms (folded into the weights at load),
 # four norms per layer, a tanh-GELU GLU, query_pre_attn_scalar's softmax scale, and layers that
 # slide as layer_types says (by default Gemma 2's every other one, Gemma 3's five of six).
@@ -266,17 +281,29 @@ class ModelSpec:
     # decoder_sparse_step and mlp_only_layers applied; the others keep the dense intermediate_size
     # MLP), each of num_experts SwiGLU experts of expert_intermediate_size, experts_per_token of
     # them per token by softmax top-k, the k weights renormalized to sum 1 when norm_topk_prob;
-    # Qwen2-MoE's shared expert (an MLP of shared_expert_intermediate_size, 0: none) behind a sigmoid gate.
+    # the shared experts (an MLP of shared_expert_intermediate_size, 0: none; Qwen2-MoE's behind a
+    # sigmoid gate, DeepSeek's n_shared_experts x moe_intermediate_size ungated). routing (ROUTINGS):
+    # how the k experts and their weights are chosen: "softmax" top-k, or DeepSeek-V2's "greedy" /
+    # "group_limited_greedy" (softmax scores; the latter keeps the experts of the
+    # expert_groups_per_token groups of expert_groups with the highest max score) and V3's
+    # "noaux_tc" (sigmoid scores plus e_score_correction_bias choose, groups by the sum of their top
+    # two; the weights are the unbiased scores); DeepSeek's weights times routed_scaling_factor.
     num_experts: int = 0
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
     norm_topk_prob: bool = False
     sparse_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = 0
+    routing: str = "softmax"
+    expert_groups: int = 1
+    expert_groups_per_token: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self):
         if self.attention not in ATTENTION_KINDS:
             raise ManifestError(f"unknown attention kind {self.attention!r}; choose one of {', '.join(ATTENTION_KINDS)}")
+        if self.routing not in ROUTINGS:
+            raise ManifestError(f"unknown MoE routing {self.routing!r}; choose one of {', '.join(ROUTINGS)}")
         for name in ("nope_layers", "sliding_layers", "sparse_layers"):  # a manifest's JSON gives lists
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
@@ -393,14 +420,7 @@ class ModelSpec:
         """DeepSeek-V2/V3. config.json's head_dim (= qk_rope_head_dim) and num_key_value_heads
         (128 by default) say nothing about the cache and are not read."""
         layers = int(cfg["num_hidden_layers"])
-        experts = cfg.get("n_routed_experts")
-        dense = int(cfg.get("first_k_dense_replace") or 0)
-        if experts and dense < layers and not cache_only:
-            raise ManifestError(
-                f"{arch} with mixture-of-experts layers is not supported yet: n_routed_experts={experts} and "
-                f"first_k_dense_replace={dense} < num_hidden_layers={layers} make layers {dense}..{layers - 1} "
-                f"MoE, and {MOE_ROUTING_REFUSED}; only checkpoints whose layers are all dense "
-                "(first_k_dense_replace >= num_hidden_layers or no n_routed_experts) export")
+        moe = read_deepseek_moe(cfg, arch, layers) if arch in DEEPSEEK_MOE_DEFAULTS and not cache_only else {}
         refuse_quantized(cfg, arch, cache_only)
         if (cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias")) and not cache_only:
             raise ManifestError(f"{arch}: only a SiLU MLP without biases is supported "
@@ -427,7 +447,7 @@ class ModelSpec:
             attention="mla", kv_lora_rank=r,
             q_lora_rank=int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None,
             qk_nope_head_dim=int(cfg["qk_nope_head_dim"]), qk_rope_head_dim=dr,
-            v_head_dim=int(cfg["v_head_dim"]), rope_interleave=interleave, rope_scaling=yarn)
+            v_head_dim=int(cfg["v_head_dim"]), rope_interleave=interleave, rope_scaling=yarn, **moe)
 
 
 def refuse_quantized(cfg: dict, arch: str, cache_only: bool) -> None:
@@ -455,13 +475,50 @@ def read_moe(cfg: dict, arch: str, strict: bool = True) -> dict:
     if strict and cfg.get("use_sliding_window") and arch != "MixtralForCausalLM":
         raise ManifestError(f"{arch}: use_sliding_window is not supported for mixture-of-experts checkpoints yet")
     if strict and (cfg.get("scoring_func", "softmax") != "softmax" or cfg.get("topk_method") or cfg.get("n_group")):
-        raise ManifestError(f"{arch}: routing other than softmax top-k is not supported yet: {MOE_ROUTING_REFUSED}")
+        raise ManifestError(f"{arch}: routing other than softmax top-k is not exported: {MOE_ROUTING_REFUSED}")
     step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or ())
     return {"num_experts": experts, "experts_per_token": k, "expert_intermediate_size": int(cfg[width_key]),
             "norm_topk_prob": True if norm_key is None else bool(cfg.get(norm_key, False)),
             "sparse_layers": tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
             "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size") or 0)
             if arch == "Qwen2MoeForCausalLM" else 0}
+
+
+def read_deepseek_moe(cfg: dict, arch: str, layers: int) -> dict:
+    """DeepSeek-V2/V3's mixture-of-experts fields as transformers 5.24 reads the config
+    (DEEPSEEK_MOE_DEFAULTS for a key left out): layers from first_k_dense_replace on are sparse, none
+    without n_routed_experts. Refuses what transformers cannot run or the export does not compute."""
+    defaults = DEEPSEEK_MOE_DEFAULTS[arch]
+    get = {key: cfg.get(key, default) for key, default in defaults.items()}
+    experts, dense = int(get["n_routed_experts"] or 0), int(get["first_k_dense_replace"] or 0)
+    if not experts or dense >= layers:
+        return {}
+    k = int(get["num_experts_per_tok"] or 0)
+    if not 0 < k <= experts:
+        raise ManifestError(f"{arch}: num_experts_per_tok={k} must be in 1..{experts}, the experts (n_routed_experts)")
+    routing = get.get("topk_method", "noaux_tc")  # V3: always
+    if arch == "DeepseekV2ForCausalLM" and routing not in ("greedy", "group_limited_greedy"):
+        raise ManifestError(f"{arch}: topk_method {routing!r} is not exported (transformers 5.24 routes DeepSeek-V2 "
+                            f"by greedy or group_limited_greedy only); {MOE_ROUTING_REFUSED}")
+    groups, chosen = (1, 1) if routing == "greedy" else (get["n_group"], get["topk_group"])
+    if not (isinstance(groups, int) and isinstance(chosen, int) and groups > 0 and experts % groups == 0
+            and 0 < chosen <= groups):
+        raise ManifestError(f"{arch}: {routing} routing needs n_group dividing n_routed_experts={experts} and "
+                            f"topk_group in 1..n_group (n_group={groups!r}, topk_group={chosen!r})")
+    per_group = experts // groups
+    if routing == "noaux_tc" and per_group < 2:
+        raise ManifestError(f"{arch}: groups are scored by their top two experts, and n_group={groups} leaves "
+                            f"{per_group} expert per group")
+    if k > chosen * per_group:
+        raise ManifestError(f"{arch}: num_experts_per_tok={k} is more than the topk_group={chosen} groups of "
+                            f"{per_group} experts hold")
+    width = int(get["moe_intermediate_size"])
+    return {"num_experts": experts, "experts_per_token": k, "expert_intermediate_size": width,
+            "norm_topk_prob": routing == "noaux_tc" and bool(get["norm_topk_prob"]),
+            "sparse_layers": tuple(range(dense, layers)),
+            "shared_expert_intermediate_size": int(get["n_shared_experts"] or 0) * width,
+            "routing": routing, "expert_groups": groups, "expert_groups_per_token": chosen,
+            "routed_scaling_factor": float(get["routed_scaling_factor"])}
 
 
 def read_rope(cfg: dict, arch: str) -> tuple[float, dict | None]:

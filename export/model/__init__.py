@@ -9,7 +9,8 @@ one short file per family saying what differs from Llama's.
     mla.py        DeepSeek's Multi-head Latent Attention over a latent cache
     llama.py      the decoder every family starts from (Llama, Mistral, Qwen2, Qwen3, SmolLM3)
     gemma.py      Gemma 2/3     phi3.py  Phi-3/3.5/4     deepseek.py  DeepSeek-V2/V3, MiniCPM3
-    moe.py        Mixtral, Qwen3-MoE, Qwen2-MoE: sparse layers as one ONNX Runtime MoE node each
+    moe.py        Mixtral, Qwen3-MoE, Qwen2-MoE: sparse layers as one ONNX Runtime MoE node each;
+                  DeepSeek-V2/V3's sparse block, its routing in standard ops before the node
 
 Module and parameter names match Hugging Face checkpoints, so a safetensors state dict loads as
 is (after the family's adapt_weights). The cache is passed in and returned as flat tensors in the

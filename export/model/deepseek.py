@@ -1,6 +1,7 @@
-"""DeepSeek-V2/V3 and MiniCPM3 (dense layers): Llama's decoder with Multi-head Latent Attention
-(export.model.mla), read from checkpoints whose rotary rows DeepSeek-V3 interleaves and whose
-scales MiniCPM3 applies outside the weights."""
+"""DeepSeek-V2/V3 and MiniCPM3: Llama's decoder with Multi-head Latent Attention (export.model.mla)
+and DeepSeek's sparse layers (export.model.moe.DeepseekMoE, from first_k_dense_replace on), read
+from checkpoints whose rotary rows DeepSeek-V3 interleaves and whose scales MiniCPM3 applies
+outside the weights."""
 from __future__ import annotations
 
 import math
@@ -9,6 +10,7 @@ import torch
 
 from export.model.llama import CausalLM, DecoderLayer
 from export.model.mla import MLAAttention
+from export.model.moe import DeepseekMoE, stacked_experts
 from kvforge.manifest import ModelSpec
 
 # MiniCPM3Config's defaults (transformers), for a config.json that leaves them out
@@ -19,10 +21,16 @@ class MLADecoderLayer(DecoderLayer):
     def make_attention(self, spec: ModelSpec, layer: int) -> MLAAttention:
         return MLAAttention(spec)
 
+    def make_feed_forward(self, spec: ModelSpec, layer: int) -> torch.nn.Module:
+        return DeepseekMoE(spec) if layer in spec.sparse_layers else super().make_feed_forward(spec, layer)
+
 
 class DeepseekForCausalLM(CausalLM):
     architectures = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "MiniCPM3ForCausalLM")
     decoder_layer = MLADecoderLayer
+
+    def stacked_weights(self):
+        return stacked_experts(self.spec, "mlp", "gate_proj", "up_proj", "down_proj")
 
     def adapt_weights(self, state: dict[str, torch.Tensor], config: dict) -> None:
         if self.spec.rope_interleave == "pairs-to-halves":
