@@ -18,7 +18,8 @@ from pathlib import Path
 # 4: attention_extent (P, L, D) replaces chunk_extent (P, L): decode queries attend over D positions, not the capacity
 # 5: max_chunk; sliding-window layers hold a ring of ring_tokens(window, max_chunk) positions (CacheTensor.window)
 # 6: mixture-of-experts facts (num_experts, experts_per_token, sparse_layers, ...); sandwich_norms removed
-FORMAT_VERSION = 6
+# 7: DeepSeek's MoE routing (routing, expert_groups, expert_groups_per_token, routed_scaling_factor)
+FORMAT_VERSION = 7
 MANIFEST_FILE = "manifest.json"
 MODEL_FILE = "model.onnx"
 OPSET = 24  # TensorScatter (the in-place KV write) needs opset 24
