@@ -180,7 +180,7 @@ bench-long-doc-qa: setup
 # parameters at batch-1 decode; ~1 h on 2 cores, up to 60 GB of disk at once (build/checkpoints/big, build/exports)
 BIG_MODELS ?= qwen2.5-0.5b,llama-3.2-1b,llama-3.2-3b,llama-3.1-8b
 bench-big-models: setup
-	$(PY) -m bench.big_models --models $(BIG_MODELS) --drop-checkpoints
+	$(PY) -m bench.big_models --models $(BIG_MODELS) --drop-after
 	$(PY) -m bench.big_models --moe
 
 clean:

@@ -2,7 +2,7 @@
 size, on random bf16 checkpoints with real models' exact configs, written a tensor at a time.
 
     python -m bench.big_models [--models qwen2.5-0.5b,llama-3.2-1b,llama-3.2-3b,llama-3.1-8b]
-        [--weights int4] [--max-seq-len 4096] [--drop-checkpoints] [--out results/big_models.json]
+        [--weights int4] [--max-seq-len 4096] [--drop-after] [--out results/big_models.json]
     python -m bench.big_models --moe [--weights int4] [--threads N]
 
 --moe: batch-1 decode of a random checkpoint with Qwen3-30B-A3B's layer shapes (MOE_LAYERS of its 48
@@ -175,9 +175,10 @@ def largest_tensor_bytes(checkpoint: Path) -> tuple[int, int]:
     return parameters, largest
 
 
-def run(models: list[str], weights: str, max_seq_len: int, drop_checkpoints: bool) -> dict:
+def run(models: list[str], weights: str, max_seq_len: int, drop_after: bool, out: Path) -> dict:
     py = sys.executable
     rows = []
+    result = {"weights": weights, "max_seq_len": max_seq_len, "threads": os.cpu_count(), "models": rows}
     for name in models:
         say(f"{name}: random bf16 checkpoint")
         checkpoint = ROOT / "build" / "checkpoints" / "big" / name
@@ -190,6 +191,8 @@ def run(models: list[str], weights: str, max_seq_len: int, drop_checkpoints: boo
         export = measured([py, "-m", "export", "--model", str(checkpoint), "--out", str(export_dir),
                            "--max-seq-len", str(max_seq_len)])
         say(f"{name}: exported in {export['seconds']} s, peak RSS {export['peak_rss_bytes'] / 2**30:.2f} GiB")
+        if drop_after and generated:
+            shutil.rmtree(checkpoint)
         say(f"{name}: engine build, {weights} weights")
         build = measured([py, "-m", "engines", "build", str(export_dir), "--backend", "onnxruntime",
                           "--weights", weights, "--out", str(engine_dir)])
@@ -203,9 +206,10 @@ def run(models: list[str], weights: str, max_seq_len: int, drop_checkpoints: boo
                      "parity_scope": engine["parity_scope"], "parity_max_abs_diff": engine["parity_max_abs_diff"],
                      "export_bytes": sum(f.stat().st_size for f in export_dir.iterdir() if f.is_file())})
         shutil.rmtree(export_dir)  # 4 bytes a parameter: the disk, not the RAM, is what runs out next
-        if drop_checkpoints and generated:
-            shutil.rmtree(checkpoint)
-    return {"weights": weights, "max_seq_len": max_seq_len, "threads": os.cpu_count(), "models": rows}
+        if drop_after:
+            shutil.rmtree(engine_dir)
+        write_json(out, result)  # what is measured so far survives a later model's failure
+    return result
 
 
 def moe_configs(layers: int) -> dict[str, dict]:
@@ -342,9 +346,9 @@ def main() -> None:
                         help=f"instead: decode of Qwen3-30B-A3B's shapes ({MOE_LAYERS} layers) vs a dense model of "
                              f"its active parameters (results/big_models_moe.json)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--drop-checkpoints", action="store_true",
-                        help="delete each checkpoint this run generated once its model is measured (disk: an 8B "
-                             "one is 16 GB, its export 30 GB)")
+    parser.add_argument("--drop-after", action="store_true",
+                        help="delete each checkpoint this run generated once exported, and each engine once measured "
+                             "(disk: an 8B checkpoint is 16 GB, its export 36 GB, its build 13 GB more)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.moe:
@@ -354,7 +358,8 @@ def main() -> None:
     unknown = [m for m in models if m not in CONFIGS]
     if unknown:
         raise SystemExit(f"unknown models {unknown}; choose from {', '.join(CONFIGS)}")
-    report(run(models, args.weights, args.max_seq_len, args.drop_checkpoints), args.out or ROOT / "results" / "big_models.json")
+    out = args.out or ROOT / "results" / "big_models.json"
+    report(run(models, args.weights, args.max_seq_len, args.drop_after, out), out)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from kvforge.manifest import MODEL_FILE, Manifest, ManifestError
-from kvforge.onnx_weights import WeightWriter, read_weight
+from kvforge.onnx_weights import INLINE_BYTES, WeightWriter, read_weight
 
 WEIGHT_MODES = ("fp32", "int8", "int4")
 WEIGHT_BITS = {"int8": 8, "int4": 4}
@@ -30,7 +30,6 @@ EXPERT_BLOCK = 32
 PARITY_TOLERANCE = {"fp32": 1e-4, "int8": 0.1, "int4": 0.5}
 PARITY_PROMPT_LENGTHS = (9, 4)
 PARITY_DECODE_STEPS = 8
-EXTERNAL_INITIALIZER_BYTES = 1024  # an engine built from weights kept beside the graph keeps them beside its own
 
 
 class EngineWeights:
@@ -224,29 +223,18 @@ def quantize_blocks(weight: np.ndarray, bits: int, block: int | None) -> tuple[n
 def optimize(src: Path, dst: Path, threads: int) -> None:
     """Apply ORT's graph optimizations once and save the result, so sessions start fast.
     'Extended' keeps the saved graph portable across CPUs; hardware-specific layout
-    transforms (level 'all') are re-applied when a session loads it."""
+    transforms (level 'all') are re-applied when a session loads it. The weights go to the
+    engine's own data file (the saved graph would otherwise point at the export's)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     opts.optimized_model_filepath = str(dst)
-    if has_external_data(src):
-        # otherwise the saved graph points at the export's weights file by its relative name,
-        # which the engine directory does not hold
-        opts.add_session_config_entry("session.optimized_model_external_initializers_file_name", dst.name + ".data")
-        opts.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
-                                      str(EXTERNAL_INITIALIZER_BYTES))
+    opts.add_session_config_entry("session.optimized_model_external_initializers_file_name", dst.name + ".data")
+    opts.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", str(INLINE_BYTES))
     opts.intra_op_num_threads = threads
     opts.log_severity_level = 3
     ort.InferenceSession(str(src), opts, providers=["CPUExecutionProvider"])
-
-
-def has_external_data(path: Path) -> bool:
-    """Whether the ONNX file keeps (some of) its weights in a file beside it (the export does above 1 GiB)."""
-    import onnx
-
-    model = onnx.load(str(path), load_external_data=False)
-    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
 
 
 def parity_drift(export_dir: Path, engine_dir: Path) -> tuple[float, float]:

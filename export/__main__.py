@@ -82,7 +82,7 @@ def export(model: str, out: Path, kv_layout: str, kv_dtype: str, max_seq_len: in
                         tokenizer=tokenizer, source={}, versions=library_versions(), max_chunk=max_chunk)
     with atomic_directory(out) as tmp:
         calibrated = KV_DTYPES[kv_dtype].scale == "per-channel"
-        with progress("reading the checkpoint's safetensors index"):
+        with progress("reading the safetensors index, hashing the checkpoint"):
             if calibrated:  # runs the model: its weights in memory
                 _, torch_model = checkpoint.load_model(source, kv_layout, KV_DTYPES[kv_dtype])
             else:
