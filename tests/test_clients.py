@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import io
 import json
 import queue
+import re
 import threading
 import urllib.error
 import urllib.request
@@ -16,6 +18,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import np_to_triton_dtype
 
+from clients import generate
 from clients.api import GenerationError, LLMClient
 from kvforge.manifest import Manifest
 from runtime.tokenizer import Tokenizer
@@ -50,6 +53,25 @@ def test_a_request_past_its_deadline_is_a_clear_error_and_the_server_keeps_servi
     with pytest.raises(GenerationError, match=r"^no final response from .* within 0.1 s"):
         LLMClient(triton.grpc_url, timeout=0.1).generate(PROMPT, max_tokens=2000, ignore_eos=True)
     assert len(LLMClient(triton.grpc_url).generate(PROMPT, max_tokens=4).token_ids) == 4
+
+
+def test_the_command_line_client_reads_a_long_prompt_from_a_file_or_stdin(triton, tmp_path, capsys, monkeypatch):
+    """A 100K-token prompt (~400 KB) is more than one command-line argument may hold: --prompt-file."""
+    common = ["--url", triton.grpc_url, "--max-tokens", "4", "--temperature", "0"]
+    answers = []
+    for argv in ([PROMPT], ["--prompt-file", str(tmp_path / "prompt.txt")], ["--prompt-file", "-"]):
+        (tmp_path / "prompt.txt").write_text(PROMPT)
+        monkeypatch.setattr("sys.stdin", io.StringIO(PROMPT))
+        assert generate.main(argv + common) == 0
+        answers.append(capsys.readouterr().out)
+    assert answers[0].strip() and answers[0] == answers[1] == answers[2]
+    for argv, message in (([], "one of the arguments prompt --prompt-file is required"),
+                          ([PROMPT, "--prompt-file", "-"], "not allowed with argument"),
+                          (["--prompt-file", str(tmp_path / "missing.txt")], "--prompt-file: .*missing.txt"),
+                          ([PROMPT, "--timeout", "0"], "--timeout must be a positive number")):
+        with pytest.raises(SystemExit):
+            generate.main(argv + common)
+        assert re.search(message, capsys.readouterr().err), message
 
 
 class RequestFailed(Exception):
