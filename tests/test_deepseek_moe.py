@@ -14,9 +14,9 @@ from tests.families import MOE_FAMILIES, NEW_TOKENS, moe_hf_config
 
 LOGPROB_TOLERANCE = 2e-3
 SPARSE_LAYERS = (1, 2)
-# Each routing exported once (an MLA export costs 15-20 s here), the layouts shared between them:
-# V2 greedy in the concat layout through the runner, the others in place through LLMEngine (and
-# through Triton: tests/test_moe.py)
+# Each routing exported once (an MLA export costs 15-20 s here; the layout changes the attention's
+# cache, not the routing): V2 greedy in the concat layout through the runner, the others in place
+# through LLMEngine (and through Triton: tests/test_moe.py)
 LAYOUTS = {"deepseek-v2-greedy": "concat", "deepseek-v2-group": "inplace", "deepseek-v3": "inplace"}
 
 
