@@ -233,9 +233,10 @@ def moe_configs(layers: int) -> dict[str, dict]:
 
 def reconfigured(checkpoint: Path, config: dict, out: Path) -> Path:
     """checkpoint's files (linked, not copied: GBs) under another config.json."""
-    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)  # links to a checkpoint since regenerated
+    out.mkdir(parents=True)
     for file in checkpoint.iterdir():
-        if file.name != "config.json" and not (out / file.name).exists():
+        if file.name != "config.json":
             (out / file.name).symlink_to(file.resolve())
     (out / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}, indent=1))
     return out
