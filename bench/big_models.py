@@ -3,11 +3,13 @@ size, on random bf16 checkpoints with real models' exact configs, written a tens
 
     python -m bench.big_models [--models qwen2.5-0.5b,llama-3.2-1b,llama-3.2-3b,llama-3.1-8b]
         [--weights int4] [--max-seq-len 4096] [--drop-after] [--out results/big_models.json]
-    python -m bench.big_models --moe [--weights int4] [--threads N]
+    python -m bench.big_models --moe [--moe-layers 4] [--weights int4] [--threads N]
 
---moe: batch-1 decode of a random checkpoint with Qwen3-30B-A3B's layer shapes (MOE_LAYERS of its 48
-layers) beside a dense Qwen3 of the same active parameters (the k experts' width as its MLP): step
-time, weight bytes a step reads, and the time those bytes take at the measured read bandwidth.
+--moe: batch-1 decode of a random checkpoint with Qwen3-30B-A3B's layer shapes (--moe-layers of its
+48 layers) beside the same checkpoint with its experts computed densely (its config's
+num_experts_per_tok raised to num_experts: the MoE node runs every expert over every token) and a
+dense Qwen3 of the same active parameters (the k experts' width as its MLP): step time, weight
+bytes a step reads, and the time those bytes take at the measured read bandwidth (JSON, PNG, table).
 
 Each stage runs as its own process; its peak RSS is the kernel's (os.wait4's ru_maxrss, from a
 small spawner: PEAK_RSS_PROBE), beside the checkpoint's largest tensor in float32 (the design's
@@ -212,15 +214,32 @@ def run(models: list[str], weights: str, max_seq_len: int, drop_after: bool, out
     return result
 
 
+EVERY_EXPERT = "moe, experts computed densely"
+
+
 def moe_configs(layers: int) -> dict[str, dict]:
-    """The MoE model and a dense Qwen3 of the same active parameters: its MLP as wide as the k
-    routed experts together (8 x 768 = 6,144, the config's own intermediate_size)."""
+    """The MoE model; the same with every expert routed to (EVERY_EXPERT: top 128 of 128, weighted
+    by the softmax over all, so each expert runs over every token and a step reads them all); and a
+    dense Qwen3 of the same active parameters: its MLP as wide as the k routed experts together
+    (8 x 768 = 6,144, the config's own intermediate_size)."""
     moe = {**QWEN3_30B_A3B, "num_hidden_layers": layers}
     dense = {k: v for k, v in moe.items() if k not in ("moe_intermediate_size", "num_experts", "num_experts_per_tok",
                                                        "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")}
     dense.update(architectures=["Qwen3ForCausalLM"],
                  intermediate_size=moe["num_experts_per_tok"] * moe["moe_intermediate_size"])
-    return {"moe": moe, "dense, same active parameters": dense}
+    return {"moe": moe, EVERY_EXPERT: {**moe, "num_experts_per_tok": moe["num_experts"]},
+            "dense, same active parameters": dense}
+
+
+def reconfigured(checkpoint: Path, config: dict, out: Path) -> Path:
+    """checkpoint's files (linked, not copied: GBs) under another config.json."""
+    shutil.rmtree(out, ignore_errors=True)  # links to a checkpoint since regenerated
+    out.mkdir(parents=True)
+    for file in checkpoint.iterdir():
+        if file.name != "config.json":
+            (out / file.name).symlink_to(file.resolve())
+    (out / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}, indent=1))
+    return out
 
 
 def active_step_bytes(engine_dir: Path, config: dict) -> int:
@@ -269,11 +288,14 @@ def read_bandwidth(threads: int) -> float:
 
 
 def moe_run(layers: int, weights: str, threads: int) -> dict:
-    py, rows = sys.executable, []
+    py, rows, checkpoints = sys.executable, [], ROOT / "build" / "checkpoints" / "big"
     for kind, config in moe_configs(layers).items():
-        name = f"qwen3-30b-a3b-{layers}-layers-{kind.split(',')[0]}"
-        say(f"{name}: random bf16 checkpoint")
-        checkpoint = random_checkpoint(config, ROOT / "build" / "checkpoints" / "big" / name)
+        name = f"qwen3-30b-a3b-{layers}-layers-{'every-expert' if kind == EVERY_EXPERT else kind.split(',')[0]}"
+        if kind == EVERY_EXPERT:  # the MoE's own weights (made first)
+            checkpoint = reconfigured(checkpoints / rows[0]["config"], config, checkpoints / name)
+        else:
+            say(f"{name}: random bf16 checkpoint")
+            checkpoint = random_checkpoint(config, checkpoints / name)
         export_dir, engine_dir = ROOT / "build" / "exports" / f"big-{name}", ROOT / "build" / "engines" / f"big-{name}-{weights}"
         export = measured([py, "-m", "export", "--model", str(checkpoint), "--out", str(export_dir), "--max-seq-len", "512"])
         build = measured([py, "-m", "engines", "build", str(export_dir), "--backend", "onnxruntime", "--weights", weights,
@@ -289,10 +311,10 @@ def moe_run(layers: int, weights: str, threads: int) -> dict:
     bandwidth = read_bandwidth(threads)
     for row in rows:
         row["step_ms_at_read_bandwidth"] = round(row["active_weight_bytes"] / bandwidth * 1e3, 2)
-    ratio = rows[0]["step_ms_median"] / rows[1]["step_ms_median"]
+    moe, every, dense = (row["step_ms_median"] for row in rows)
     return {"layers": layers, "of_layers": QWEN3_30B_A3B["num_hidden_layers"], "weights": weights, "threads": threads,
-            "read_bandwidth_bytes_per_s": round(bandwidth), "moe_over_dense_step": round(ratio, 3),
-            "target_ratio": 1.3, "models": rows}
+            "read_bandwidth_bytes_per_s": round(bandwidth), "moe_over_dense_step": round(moe / dense, 3),
+            "moe_over_every_expert_step": round(moe / every, 3), "target_ratio": 1.3, "models": rows}
 
 
 def moe_report(result: dict, out: Path) -> None:
@@ -303,8 +325,27 @@ def moe_report(result: dict, out: Path) -> None:
                            [[r["model"], f"{r['parameters'] / 1e9:.2f}B", r["step_ms_median"], r["tokens_per_s"],
                              f"{r['active_weight_bytes'] / 1e6:.0f}", r["step_ms_at_read_bandwidth"],
                              f"{r['effective_bytes_per_s'] / 1e9:.1f}"] for r in result["models"]])))
-    print(f"MoE step / dense step: {result['moe_over_dense_step']:.2f}x (target <= {result['target_ratio']}x)")
+    print(f"MoE step / dense step: {result['moe_over_dense_step']:.2f}x (target <= {result['target_ratio']}x); "
+          f"/ experts computed densely: {result['moe_over_every_expert_step']:.2f}x")
     write_json(out, result)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    rows, at = result["models"], range(len(result["models"]))
+    axis.bar([i - 0.2 for i in at], [r["step_ms_median"] for r in rows], 0.4, label="decode step, measured")
+    axis.bar([i + 0.2 for i in at], [r["step_ms_at_read_bandwidth"] for r in rows], 0.4,
+             label=f"its weight bytes at {result['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s")
+    axis.set_xticks(list(at), [r["model"].replace(", ", ",\n") for r in rows])
+    axis.set_ylabel("ms")
+    axis.set_title(f"Batch-1 decode, Qwen3-30B-A3B's shapes ({result['layers']} of {result['of_layers']} layers), "
+                   f"{result['weights']}", fontsize=9)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(out.with_suffix(".png"), dpi=120)
+    say(f"saved {out} and {out.with_suffix('.png')}")
 
 
 def report(result: dict, out: Path) -> None:
@@ -343,8 +384,9 @@ def main() -> None:
     parser.add_argument("--weights", default="int4", choices=("fp32", "int8", "int4"))
     parser.add_argument("--max-seq-len", type=int, default=4096)
     parser.add_argument("--moe", action="store_true",
-                        help=f"instead: decode of Qwen3-30B-A3B's shapes ({MOE_LAYERS} layers) vs a dense model of "
-                             f"its active parameters (results/big_models_moe.json)")
+                        help="instead: decode of Qwen3-30B-A3B's shapes (--moe-layers layers) vs its experts computed "
+                             "densely and a dense model of its active parameters (results/big_models_moe.json)")
+    parser.add_argument("--moe-layers", type=int, default=MOE_LAYERS, help="of Qwen3-30B-A3B's 48")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--drop-after", action="store_true",
                         help="delete each checkpoint this run generated once exported, and each engine once measured "
@@ -352,7 +394,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.moe:
-        moe_report(moe_run(MOE_LAYERS, args.weights, args.threads), args.out or ROOT / "results" / "big_models_moe.json")
+        if not 1 <= args.moe_layers <= QWEN3_30B_A3B["num_hidden_layers"]:
+            raise SystemExit(f"--moe-layers {args.moe_layers}: Qwen3-30B-A3B has 1..48")
+        moe_report(moe_run(args.moe_layers, args.weights, args.threads),
+                   args.out or ROOT / "results" / "big_models_moe.json")
         return
     models = args.models.split(",")
     unknown = [m for m in models if m not in CONFIGS]

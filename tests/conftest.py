@@ -128,5 +128,7 @@ def codec(fp32):
 
 
 # The families' tiny checkpoints and their exports, session-wide: tests/test_families.py and
-# tests/test_family_weights.py share them (an export takes seconds of tracing per family).
+# tests/test_family_weights.py share them, and tests/test_moe.py and tests/test_deepseek_moe.py the
+# mixture-of-experts ones (an export takes seconds of tracing per family).
 from tests.families import family_checkpoints, family_exports, family_tokenizer_dir  # noqa: E402,F401
+from tests.families import moe_checkpoints, moe_exports  # noqa: E402,F401

@@ -1,6 +1,7 @@
-"""Tiny Hugging Face checkpoints of every family kvforge exports (FAMILIES), saved by transformers
-with random weights, and their fp32 exports: session fixtures (registered in conftest.py) that
-tests/test_families.py and tests/test_family_weights.py share, so each checkpoint is made and each
+"""Tiny Hugging Face checkpoints of every family kvforge exports (FAMILIES, and the mixture-of-experts
+ones: MOE_FAMILIES), saved by transformers with random weights, and their fp32 exports: session
+fixtures (registered in conftest.py) that tests/test_families.py and tests/test_family_weights.py
+share, and tests/test_moe.py and tests/test_deepseek_moe.py, so each checkpoint is made and each
 export traced once per run."""
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ VOCAB = 4096  # models/stdlib-llama's tokenizer
 ORIGINAL = 32  # original_max_position_embeddings: the generation runs past it
 PROMPT_TOKENS, NEW_TOKENS = 28, 44  # positions 0..71: prompts and generations longer than the windows
 EXPORT_CONTEXT = 256  # the checkpoints' max_position_embeddings: Llama 3.1's chat (121 tokens) and its answer
+PROMPT = np.random.default_rng(0).integers(3, VOCAB, PROMPT_TOKENS).tolist()  # every checkpoint's
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               vocab_size=VOCAB, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 FAMILIES = {
@@ -62,6 +64,38 @@ FAMILIES = {
                                             "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]})),
 }
 
+# DeepSeek's MLA dims that all differ (as tests/test_mla.py's), 3 layers: layer 0 dense (intermediate
+# 96), layers 1 and 2 sparse over 8 experts of width 24 (unlike every other width)
+DEEPSEEK = dict(COMMON, num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24,
+                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=1, n_routed_experts=8,
+                moe_intermediate_size=24)
+# Every expert of every sparse layer is routed to along each one's prompt and generation
+# (tests/test_moe.py and tests/test_deepseek_moe.py check it).
+MOE_FAMILIES = {
+    # every layer sparse, 8 experts of width 32, top-2 renormalized
+    "mixtral": ("Mixtral", dict(COMMON, num_experts_per_tok=2, num_local_experts=8, intermediate_size=32)),
+    # Qwen3-30B-A3B's routing (norm_topk_prob) and q/k norms; layer 1 dense by mlp_only_layers (its
+    # intermediate_size 96 unlike the experts' 24)
+    "qwen3-moe": ("Qwen3Moe", dict(COMMON, num_experts_per_tok=2, num_experts=8, moe_intermediate_size=24,
+                                   norm_topk_prob=True, num_hidden_layers=3, mlp_only_layers=[1])),
+    # Qwen2-MoE's: unnormalized top-k, q/k/v biases, a shared expert behind its sigmoid gate, and
+    # decoder_sparse_step 2 (layers 1 and 3 sparse)
+    "qwen2-moe": ("Qwen2Moe", dict(COMMON, num_experts_per_tok=2, num_experts=4, moe_intermediate_size=32,
+                                   shared_expert_intermediate_size=40, num_hidden_layers=4, decoder_sparse_step=2)),
+    # DeepSeek-V2-Lite's routing: softmax top 3 of all experts, not renormalized; a scaling factor
+    # that is not 1 and one shared expert
+    "deepseek-v2-greedy": ("DeepseekV2", dict(DEEPSEEK, topk_method="greedy", num_experts_per_tok=3,
+                                              n_shared_experts=1, routed_scaling_factor=1.5)),
+    # DeepSeek-V2's: the top 3 experts of the 2 groups (of 4 pairs) with the highest max score; two
+    # shared experts
+    "deepseek-v2-group": ("DeepseekV2", dict(DEEPSEEK, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                             num_experts_per_tok=3, n_shared_experts=2, routed_scaling_factor=2.0)),
+    # DeepSeek-V3's: sigmoid scores, a random e_score_correction_bias choosing the 2 groups (of 4
+    # pairs) and the top 2 experts, weights renormalized x 2.5; interleaved rope
+    "deepseek-v3": ("DeepseekV3", dict(DEEPSEEK, n_group=4, topk_group=2, num_experts_per_tok=2, n_shared_experts=1,
+                                       norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True)),
+}
+
 STDLIB_LLAMA = Path(__file__).resolve().parents[1] / "models" / "stdlib-llama"  # its tokenizer
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"  # public templates, byte for byte (README.md there)
 # family -> the public chat template its instruct checkpoint ships, and a chat body (as the OpenAI
@@ -84,6 +118,15 @@ def hf_config(family: str):
     prefix, overrides = FAMILIES[family]
     config = getattr(transformers, f"{prefix}Config")(**{**COMMON, **overrides})
     config.architectures = [f"{prefix.removesuffix('Text')}ForCausalLM"]
+    return config
+
+
+def moe_hf_config(name: str, **overrides):
+    import transformers
+
+    prefix, settings = MOE_FAMILIES[name]
+    config = getattr(transformers, f"{prefix}Config")(**{**settings, **overrides})
+    config.architectures = [f"{prefix}ForCausalLM"]
     return config
 
 
@@ -115,6 +158,20 @@ class Checkpoint(NamedTuple):
     tokens: list[int]  # transformers' greedy tokens after the prompt
     logprobs: list[float]
     chat: Chat | None = None  # an instruct checkpoint's
+    model: object = None  # a mixture-of-experts checkpoint's transformers model (whose routers are asked)
+
+
+class Made(dict):
+    """key -> make(key), made on first use: a module that asks for one checkpoint or export pays
+    for that one only."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, key):
+        self[key] = self.make(key)
+        return self[key]
 
 
 def transformers_chat_ids(directory: Path, body: dict) -> list[int]:
@@ -147,23 +204,46 @@ def family_checkpoints(tmp_path_factory, family_tokenizer_dir):
     from safetensors.torch import save_file
 
     root = tmp_path_factory.mktemp("families-checkpoints")
-    prompt = np.random.default_rng(0).integers(3, VOCAB, PROMPT_TOKENS).tolist()
     made = {}
     for family in FAMILIES:
         model = random_model(hf_config(family))
         directory = root / family
         if family == "llama3.1":  # shards and their index, and Mistral-style consolidated weights beside them
-            model.save_pretrained(directory, max_shard_size="200KB")
+            save_checkpoint(model, directory, family_tokenizer_dir, max_shard_size="200KB")
             assert (directory / "model.safetensors.index.json").is_file()
             save_file({k: torch.zeros_like(v) for k, v in model.state_dict().items()},
                       str(directory / "consolidated.safetensors"))
         else:
-            model.save_pretrained(directory)
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(family_tokenizer_dir / name, directory / name)
-        made[family] = Checkpoint(directory, prompt, *greedy_reference(model, prompt),
+            save_checkpoint(model, directory, family_tokenizer_dir)
+        made[family] = Checkpoint(directory, PROMPT, *greedy_reference(model, PROMPT),
                                   chat=make_instruct(directory, model, *INSTRUCT[family]) if family in INSTRUCT else None)
     return made
+
+
+@pytest.fixture(scope="session")
+def moe_checkpoints(tmp_path_factory, family_tokenizer_dir):
+    """name -> Checkpoint of MOE_FAMILIES[name], with its transformers model, made on first use."""
+    import torch
+
+    root = tmp_path_factory.mktemp("moe-checkpoints")
+
+    def make(name):
+        model = random_model(moe_hf_config(name))
+        with torch.no_grad():  # DeepSeek-V3's bias, which random_model leaves at zero: large enough to change choices
+            for buffer_name, buffer in model.named_buffers():
+                if buffer_name.endswith("e_score_correction_bias"):
+                    buffer.normal_(0.0, 0.2)
+        save_checkpoint(model, root / name, family_tokenizer_dir)
+        return Checkpoint(root / name, PROMPT, *greedy_reference(model, PROMPT), model=model)
+
+    return Made(make)
+
+
+def save_checkpoint(model, directory: Path, tokenizer_dir: Path, **save) -> None:
+    """A transformers model's save_pretrained(**save), with the families' tokenizer beside it."""
+    model.save_pretrained(directory, **save)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, directory / name)
 
 
 def random_model(config):
@@ -194,21 +274,30 @@ def make_instruct(directory: Path, model, template: str, body: dict) -> Chat:
     return Chat(ids, tokens[:end], tokens[end])
 
 
-@pytest.fixture(scope="session")
-def family_exports(tmp_path_factory, family_checkpoints):
-    """family_exports(family, layout) -> export dir, made once (what `python -m export` runs)."""
+def export_maker(checkpoints, root: Path):
+    """exports(name, layout, max_chunk) -> the fp32 export of checkpoints[name], made once (what
+    `python -m export` runs)."""
     from export.__main__ import export
 
-    root = tmp_path_factory.mktemp("families-exports")
-    made = {}
+    def make(key):
+        name, layout, max_chunk = key
+        out = root / f"{name}-{layout}-{max_chunk}"
+        export(str(checkpoints[name].directory), out, layout, "fp32", EXPORT_CONTEXT, max_chunk)
+        return out
 
-    def make(family, layout="inplace", max_chunk=None):
-        if (family, layout, max_chunk) not in made:
-            out = root / f"{family}-{layout}-{max_chunk}"
-            export(str(family_checkpoints[family][0]), out, layout, "fp32", EXPORT_CONTEXT, max_chunk)
-            made[family, layout, max_chunk] = out
-        return made[family, layout, max_chunk]
+    made = Made(make)
+    return lambda name, layout="inplace", max_chunk=None: made[name, layout, max_chunk]
 
-    return make
+
+@pytest.fixture(scope="session")
+def family_exports(tmp_path_factory, family_checkpoints):
+    """family_exports(family, layout, max_chunk) -> export dir."""
+    return export_maker(family_checkpoints, tmp_path_factory.mktemp("families-exports"))
+
+
+@pytest.fixture(scope="session")
+def moe_exports(tmp_path_factory, moe_checkpoints):
+    """moe_exports(name, layout) -> export dir."""
+    return export_maker(moe_checkpoints, tmp_path_factory.mktemp("moe-exports"))
 
 

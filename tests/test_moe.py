@@ -1,42 +1,20 @@
-"""Mixture-of-experts checkpoints (Mixtral, Qwen3-MoE, Qwen2-MoE) as tiny Hugging Face checkpoints
-with random weights, saved by transformers 5.24 (per-expert tensors in the files): exported with one
-ONNX Runtime MoE node per sparse layer and run by the in-process engine and the runner against
-transformers' generate() and served through Triton; int8/int4 engines with QMoE experts and fp32
-routers; the config facts (decoder_sparse_step, mlp_only_layers) and the refusals."""
+"""Mixture-of-experts checkpoints (Mixtral, Qwen3-MoE, Qwen2-MoE: tests/families.py's MOE_FAMILIES)
+as tiny Hugging Face checkpoints with random weights, saved by transformers 5.24 (per-expert tensors
+in the files): exported with one ONNX Runtime MoE node per sparse layer and run by the in-process
+engine and the runner against transformers' generate(), and served through Triton beside DeepSeek's
+(tests/test_deepseek_moe.py); int8/int4 engines with QMoE experts and fp32 routers; the config facts
+(decoder_sparse_step, mlp_only_layers) and the refusals."""
 from __future__ import annotations
 
 import shutil
 
-import numpy as np
 import pytest
 
 from kvforge.manifest import Manifest, ManifestError, ModelSpec
-from tests.families import COMMON, EXPORT_CONTEXT, NEW_TOKENS, PROMPT_TOKENS, VOCAB, greedy_reference, random_model
+from tests.families import COMMON, NEW_TOKENS, moe_hf_config
 
 LOGPROB_TOLERANCE = 2e-3
-MOE = dict(num_experts_per_tok=2)
-CHECKPOINTS = {
-    # every layer sparse, 8 experts of width 32, top-2 renormalized
-    "mixtral": ("Mixtral", dict(num_local_experts=8, intermediate_size=32)),
-    # Qwen3-30B-A3B's routing (norm_topk_prob) and q/k norms; layer 1 dense by mlp_only_layers (its
-    # intermediate_size 96 unlike the experts' 24)
-    "qwen3-moe": ("Qwen3Moe", dict(num_experts=8, moe_intermediate_size=24, norm_topk_prob=True,
-                                   num_hidden_layers=3, mlp_only_layers=[1])),
-    # Qwen2-MoE's: unnormalized top-k, q/k/v biases, a shared expert behind its sigmoid gate, and
-    # decoder_sparse_step 2 (layers 1 and 3 sparse)
-    "qwen2-moe": ("Qwen2Moe", dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=40,
-                                   num_hidden_layers=4, decoder_sparse_step=2)),
-}
-SPARSE_LAYERS = {"mixtral": (0, 1), "qwen3-moe": (0, 2), "qwen2-moe": (1, 3)}
-
-
-def hf_config(name: str):
-    import transformers
-
-    prefix, overrides = CHECKPOINTS[name]
-    config = getattr(transformers, f"{prefix}Config")(**{**COMMON, **MOE, **overrides})
-    config.architectures = [f"{prefix}ForCausalLM"]
-    return config
+SPARSE_LAYERS = {"mixtral": (0, 1), "qwen3-moe": (0, 2), "qwen2-moe": (1, 3)}  # MOE_FAMILIES' softmax top-k ones
 
 
 def experts_routed(model, tokens: list[int]) -> set[tuple[int, int]]:
@@ -49,39 +27,7 @@ def experts_routed(model, tokens: list[int]) -> set[tuple[int, int]]:
     return {(layer, int(e)) for layer, lg in enumerate(logits) for e in lg.topk(k, dim=-1).indices.flatten()}
 
 
-@pytest.fixture(scope="module")
-def moe_checkpoints(tmp_path_factory, family_tokenizer_dir):
-    """name -> (dir, prompt, transformers' greedy tokens, their log p, the model)."""
-    root = tmp_path_factory.mktemp("moe-checkpoints")
-    prompt = np.random.default_rng(0).integers(3, VOCAB, PROMPT_TOKENS).tolist()
-    made = {}
-    for name in CHECKPOINTS:
-        model = random_model(hf_config(name))
-        directory = root / name
-        model.save_pretrained(directory)
-        for file in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(family_tokenizer_dir / file, directory / file)
-        made[name] = (directory, prompt, *greedy_reference(model, prompt), model)
-    return made
-
-
-@pytest.fixture(scope="module")
-def moe_exports(tmp_path_factory, moe_checkpoints):
-    from export.__main__ import export
-
-    root = tmp_path_factory.mktemp("moe-exports")
-    made = {}
-
-    def make(name, layout="inplace"):
-        if (name, layout) not in made:
-            made[name, layout] = root / f"{name}-{layout}"
-            export(str(moe_checkpoints[name][0]), made[name, layout], layout, "fp32", EXPORT_CONTEXT, None)
-        return made[name, layout]
-
-    return make
-
-
-@pytest.mark.parametrize("name", list(CHECKPOINTS))
+@pytest.mark.parametrize("name", list(SPARSE_LAYERS))
 def test_moe_generates_what_transformers_generates(moe_exports, moe_checkpoints, name):
     """Greedy, the prompt in one step then decode steps: through LLMEngine (in place) and the runner
     (concat), transformers' tokens and log-probs within LOGPROB_TOLERANCE, every expert of every
@@ -90,7 +36,8 @@ def test_moe_generates_what_transformers_generates(moe_exports, moe_checkpoints,
     from runtime.llm_engine import LLMEngine, SamplingParams
     from tests.test_families import runner_greedy
 
-    _, prompt, tokens, logprobs, model = moe_checkpoints[name]
+    _, prompt, tokens, logprobs = moe_checkpoints[name][:4]
+    model = moe_checkpoints[name].model
     config = model.config
     experts = getattr(config, "num_local_experts", None) or config.num_experts
     assert len(experts_routed(model, prompt + tokens)) == len(SPARSE_LAYERS[name]) * experts
@@ -172,7 +119,7 @@ def test_moe_graph_and_quantized_engines(moe_exports, moe_checkpoints, tmp_path)
         # the routers (and Qwen2-MoE's two shared-expert gates, Gemm + Sigmoid fused by ONNX Runtime):
         # nothing else stays fp32
         assert len(floats) == (4 if name == "qwen2-moe" else 2)
-    prompt = moe_checkpoints["qwen2-moe"][1]
+    prompt = moe_checkpoints["qwen2-moe"].prompt
     built = engines["qwen2-moe"]
     tokens, (reference, *quantized) = followed_logprobs(
         [open_runner(d, threads=1) for d in (export_dir, built["int8"], built["int4"])], prompt, 16)
@@ -186,11 +133,11 @@ def test_moe_config_facts_and_refusals(moe_checkpoints, tmp_path):
     from kvforge.manifest import KV_DTYPES
 
     def spec(name, **overrides):
-        return ModelSpec.from_hf_config({**hf_config(name).to_dict(), **overrides})
+        return ModelSpec.from_hf_config({**moe_hf_config(name).to_dict(), **overrides})
 
     assert spec("qwen3-moe").sparse_layers == (0, 2) and spec("qwen3-moe").norm_topk_prob
     assert spec("qwen3-moe", mlp_only_layers=[], decoder_sparse_step=3).sparse_layers == (2,)
-    hub = {k: v for k, v in hf_config("qwen3-moe").to_dict().items() if k != "num_local_experts"}
+    hub = {k: v for k, v in moe_hf_config("qwen3-moe").to_dict().items() if k != "num_local_experts"}
     assert ModelSpec.from_hf_config({**hub, "num_experts": 128}).num_experts == 128  # the hub's configs say num_experts
     assert spec("qwen2-moe").shared_expert_intermediate_size == 40 and not spec("qwen2-moe").norm_topk_prob
     assert spec("mixtral").norm_topk_prob and spec("mixtral").expert_intermediate_size == 32
@@ -210,7 +157,7 @@ def test_moe_config_facts_and_refusals(moe_checkpoints, tmp_path):
     from safetensors.torch import load_file, save_file
 
     broken = tmp_path / "broken"
-    shutil.copytree(moe_checkpoints["mixtral"][0], broken)
+    shutil.copytree(moe_checkpoints["mixtral"].directory, broken)
     tensors = load_file(str(broken / "model.safetensors"))
     del tensors["model.layers.1.block_sparse_moe.experts.7.w3.weight"]
     save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
@@ -218,17 +165,34 @@ def test_moe_config_facts_and_refusals(moe_checkpoints, tmp_path):
         load_model(broken, "inplace", KV_DTYPES["fp32"])
 
 
-def test_moe_served_through_triton(moe_exports, moe_checkpoints, tmp_path):
-    """A Qwen2-MoE export (shared expert, dense and sparse layers) served as `llm` by tritonserver:
-    transformers' greedy tokens and log-probs over the front's /v2 generate."""
+# Served beside Qwen2-MoE (the llm model): DeepSeek's in-place exports of tests/test_deepseek_moe.py
+# (MLA, routing ops in front of the MoE node), and the other softmax top-k families
+SERVED = ("mixtral", "qwen3-moe", "deepseek-v2-group", "deepseek-v3")
+
+
+@pytest.fixture(scope="module")
+def moe_server(moe_exports, tmp_path_factory):
+    """One tritonserver (and its front) for every served MoE export, two KV slots each: the
+    Qwen2-MoE export (shared expert, dense and sparse layers) as `llm`, the SERVED ones by name."""
     from engines.repository import write_repository
     from launcher.harness import TritonServer, free_ports
+
+    repo = tmp_path_factory.mktemp("moe-served")
+    write_repository(moe_exports("qwen2-moe"), repo, slots=2)
+    for name in SERVED:
+        assert write_repository(moe_exports(name), repo, name=name, slots=2) == [name]
+    http, grpc, metrics, openai_port = free_ports(4)
+    with TritonServer(repo, http_port=http, grpc_port=grpc, metrics_port=metrics, openai_port=openai_port) as server:
+        yield server
+
+
+@pytest.mark.parametrize("model", ["llm", *SERVED])
+def test_moe_served_through_triton(moe_server, moe_checkpoints, model):
+    """Over the front's /v2 generate, each served MoE export gives transformers' greedy tokens and
+    log-probs within LOGPROB_TOLERANCE."""
     from tests.test_families import served_greedy
 
-    _, prompt, tokens, logprobs, _ = moe_checkpoints["qwen2-moe"]
-    write_repository(moe_exports("qwen2-moe"), tmp_path, slots=2)
-    http, grpc, metrics, openai_port = free_ports(4)
-    with TritonServer(tmp_path, http_port=http, grpc_port=grpc, metrics_port=metrics, openai_port=openai_port) as server:
-        got, got_logprobs = served_greedy(server, "llm", prompt)
+    _, prompt, tokens, logprobs = moe_checkpoints["qwen2-moe" if model == "llm" else model][:4]
+    got, got_logprobs = served_greedy(moe_server, model, prompt)
     assert got == tokens
     assert max(abs(a - b) for a, b in zip(got_logprobs, logprobs, strict=True)) <= LOGPROB_TOLERANCE
