@@ -10,6 +10,7 @@ KV_LAYOUT ?= inplace
 KV_DTYPE ?= fp32
 MAX_SEQ_LEN ?= 1024
 BACKEND ?= auto
+# the ONNX Runtime engine's weights: fp32, fp16 (half the file, fp32 once loaded), int8 or int4
 WEIGHTS ?= fp32
 TAG := $(notdir $(MODEL))-$(KV_LAYOUT)-$(KV_DTYPE)
 EXPORT_DIR ?= build/exports/$(TAG)

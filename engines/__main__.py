@@ -1,6 +1,6 @@
 """python -m engines build|check|repository
 
-  build EXPORT_DIR --backend onnxruntime|tensorrt|auto --out DIR [--weights fp32|int8|int4]
+  build EXPORT_DIR --backend onnxruntime|tensorrt|auto --out DIR [--weights fp32|fp16|int8|int4]
   check EXPORT_DIR --target tensorrt [--tensorrt-version V]   ops the TensorRT parser lacks
   repository ENGINE_DIR --repo DIR                            write the Triton model configs
 """
@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from engines.onnxruntime_build import WEIGHT_MODES
 from kvforge.cli import atomic_directory, fail_cleanly, free_large_buffers_at_once, progress
 from kvforge.manifest import MLA_NO_TENSORRT, MOE_NO_TENSORRT, RINGS_NO_TENSORRT, Manifest, ManifestError
 
@@ -89,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("export_dir", type=Path)
     b.add_argument("--backend", default="auto", choices=("onnxruntime", "tensorrt", "auto"))
     b.add_argument("--out", type=Path, required=True)
-    b.add_argument("--weights", default="fp32", choices=("fp32", "int8", "int4"), help="ONNX Runtime weight quantization")
+    b.add_argument("--weights", default="fp32", choices=(*WEIGHT_MODES, "bf16"),
+                   help="ONNX Runtime weight dtype (bf16: refused, with the reason)")
     b.add_argument("--precision", default="fp16", choices=("fp16", "bf16", "fp32"), help="TensorRT weight precision")
     b.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: all cores)")
     c = sub.add_parser("check", help="list ops the TensorRT ONNX parser cannot import")

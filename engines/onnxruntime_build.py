@@ -13,21 +13,28 @@ import numpy as np
 from kvforge.manifest import MODEL_FILE, Manifest, ManifestError
 from kvforge.onnx_weights import INLINE_BYTES, WeightWriter, read_weight
 
-WEIGHT_MODES = ("fp32", "int8", "int4")
+WEIGHT_MODES = ("fp32", "fp16", "int8", "int4")
 WEIGHT_BITS = {"int8": 8, "int4": 4}
 # QMoE's block along the input, where the hidden size and the experts' width divide by it (every
 # released MoE). Measured (`python -m bench.moe_ops`: one sparse FFN, hidden 1024, 32 experts of 512,
 # top 4, 1 and 2 threads): one decode token took 7.5-8.2x (int8) and 10.6x (int4) longer with one
 # scale per row than in blocks of 32, about the fp32 node's time, int4's error 1.4-1.5x larger.
 EXPERT_BLOCK = 32
+# ONNX Runtime 1.32's CPU provider registers MatMul and Gemm for float and double only: float16
+# weights run through the Casts its optimizer inserts (matmul_replacement), bfloat16 not at all.
+BF16_REFUSAL = ("ONNX Runtime's CPU provider has no bfloat16 MatMul; use fp16, int8 or int4, or the TensorRT "
+                "backend for bf16 (--backend tensorrt --precision bf16)")
 # Max abs logit drift of the built engine from its export (prefill + decode on fixed prompts),
 # as a fraction of the export's logit range on the same prompts, so one gate fits random and
 # trained weights. fp32 only reorders float math; quantized weights change the model on
 # purpose, so their gate only catches a broken build (measured on tiny-llama and stdlib-llama:
 # int8 1.1-1.5%, int4 7.9-12.5% of the range; on the random checkpoints of tests/families.py,
 # int8 1.8-5.5%, int4 14-28%, Gemma 2 and 3 the most, and int4 33% on a random Gemma 3 of
-# bench/families.py's quick shape, hence int4's 0.5).
-PARITY_TOLERANCE = {"fp32": 1e-4, "int8": 0.1, "int4": 0.5}
+# bench/families.py's quick shape, hence int4's 0.5). fp16 rounds each weight to 11 significant
+# bits (measured by building fp16 engines: tiny-llama 0.024%, small-llama 0.043%, the random checkpoints
+# of tests/families.py 0.031-0.088%, Gemma 2 and 3 the most; 0 on stdlib-llama, saved as float16),
+# so its gate is 11x the largest and still under int8's drift.
+PARITY_TOLERANCE = {"fp32": 1e-4, "fp16": 0.01, "int8": 0.1, "int4": 0.5}
 PARITY_PROMPT_LENGTHS = (9, 4)
 PARITY_DECODE_STEPS = 8
 
@@ -70,11 +77,15 @@ class EngineWeights:
 
 
 def quantize_weights(src: Path, dst: Path, weights: str) -> None:
-    """int8: DynamicQuantizeMatMul, int8 weights with one scale per output column (about 2x faster
-    decode on CPU); int4: MatMulNBits in blocks of 32 at accuracy_level 4 (int8 compute). Every
-    projection is quantized, the lm_head included; the embedding table stays fp32 (a Gather reads
-    a few rows of it). Mixture-of-experts layers: quantize_experts, their routers left fp32. One
-    tensor at a time (EngineWeights): a 7-8B export builds in a few GiB.
+    """fp16: each projection's weight stored float16, its MatMul between Casts (half the engine
+    file; ONNX Runtime's CPU provider widens the weights to fp32 when it loads them, so memory and
+    speed stay fp32's: docs/export-and-engines.md); int8: DynamicQuantizeMatMul,
+    int8 weights with one scale per output column (about 2x faster decode on CPU); int4: MatMulNBits
+    in blocks of 32 at accuracy_level 4 (int8 compute). Every projection is converted, the lm_head
+    included; the embedding table stays fp32 (a Gather reads a few rows of it per step, so its bytes
+    cost a decode step nothing). Mixture-of-experts layers: the routers stay fp32; the experts become
+    QMoE for int8/int4 (quantize_experts) and stay in the fp32 MoE node for fp16. One tensor at a
+    time (EngineWeights): a 7-8B export builds in a few GiB.
 
     8-bit MatMulNBits is not offered: at accuracy_level 0 it is ~4x slower, and at level 4
     (block 32, symmetric, lm_head included) small-llama's decode steps took 13-23% longer than
@@ -85,25 +96,26 @@ def quantize_weights(src: Path, dst: Path, weights: str) -> None:
     model = onnx.load(str(src), load_external_data=False)
     with WeightWriter(dst) as writer:
         store = EngineWeights(model, src.parent, writer)
-        bits = WEIGHT_BITS[weights]
-        keep = quantize_experts(model, bits, EXPERT_BLOCK, store)
-        quantize_matmuls(model, bits, set(keep), store)
+        keep = set(routing_projections(model))
+        if weights in WEIGHT_BITS:
+            quantize_experts(model, WEIGHT_BITS[weights], EXPERT_BLOCK, store)
+        quantize_matmuls(model, weights, keep, store)
         store.finish()
     onnx.save(model, str(dst))
 
 
-def quantize_matmuls(model, bits: int, keep: set[str], store: EngineWeights) -> None:
+def quantize_matmuls(model, weights: str, keep: set[str], store: EngineWeights) -> None:
     """Each MatMul x @ W (and Gemm x @ W^T: the untied lm_head's) of a constant 2-D W, in any
-    subgraph, but the nodes named in keep: int8 as com.microsoft DynamicQuantizeMatMul (W int8
-    [K, N], symmetric, a scale per column, no zero point); int4 as MatMulNBits (W^T in blocks of 32 along K,
-    zero-padded to whole blocks, symmetric: the default zero point 8)."""
+    subgraph, but the nodes named in keep, becomes matmul_replacement's nodes for `weights` over W's
+    converted form (convert_matrix; a Gemm's W^T, so every mode sees W as [K, N])."""
     from onnx import helper
 
     from kvforge.onnx_graphs import subgraphs
 
-    quantized: dict[str, list[str]] = {}  # a weight read by several nodes is quantized once
+    converted: dict[str, list[str]] = {}  # a weight read by several nodes is converted once
     for graph in subgraphs(model.graph):
-        for index, node in enumerate(list(graph.node)):
+        for index in reversed(range(len(graph.node))):  # backwards: a replacement may be several nodes
+            node = graph.node[index]
             attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
             gemm = node.op_type == "Gemm" and len(node.input) == 2 and \
                 (attributes.get("transA", 0), attributes.get("transB", 0), attributes.get("alpha", 1.0)) == (0, 1, 1.0)
@@ -112,24 +124,45 @@ def quantize_matmuls(model, bits: int, keep: set[str], store: EngineWeights) -> 
                     or len(store.tensors[weight].dims) != 2:
                 continue
             key = weight + (".transposed" if gemm else "")
-            if key not in quantized:
+            if key not in converted:
                 w = store.array(weight)
-                quantized[key] = quantize_matrix(store, key, w.T if gemm else w, bits)
+                converted[key] = convert_matrix(store, key, w.T if gemm else w, weights)
             k, n = store.tensors[weight].dims[::-1] if gemm else store.tensors[weight].dims
-            if bits == 8:
-                replacement = helper.make_node("DynamicQuantizeMatMul", [node.input[0], *quantized[key]],
-                                               list(node.output), node.name, domain="com.microsoft")
-            else:
-                replacement = helper.make_node("MatMulNBits", [node.input[0], *quantized[key]], list(node.output),
-                                               node.name, domain="com.microsoft", K=k, N=n, bits=4,
-                                               block_size=EXPERT_BLOCK, accuracy_level=4)
-            graph.node.remove(node)
-            graph.node.insert(index, replacement)
+            del graph.node[index]
+            for offset, new in enumerate(matmul_replacement(node, converted[key], k, n, weights)):
+                graph.node.insert(index + offset, new)
 
 
-def quantize_matrix(store: EngineWeights, name: str, w: np.ndarray, bits: int) -> list[str]:
-    """W [K, N] as the quantized op's weight inputs, put in the store; returns their names."""
-    if bits == 8:
+def matmul_replacement(node, weight_inputs: list[str], k: int, n: int, weights: str) -> list:
+    """The nodes computing node's x @ W from W's converted inputs. int8: com.microsoft
+    DynamicQuantizeMatMul (W int8 [K, N], symmetric, a scale per column, no zero point); int4:
+    MatMulNBits (W^T in blocks of 32 along K, zero-padded to whole blocks, symmetric: the default
+    zero point 8); fp16: a float16 MatMul between Casts, so x and y stay fp32 for the rest of the
+    graph, as a provider with a float16 MatMul runs it (the CPU provider has none: its optimizer
+    drops the Casts of x and y and casts W to fp32 instead, folded at load)."""
+    from onnx import TensorProto, helper
+
+    x, y = node.input[0], node.output[0]
+    if weights == "fp16":
+        return [helper.make_node("Cast", [x], [y + ".x_fp16"], node.name + ".cast_fp16", to=TensorProto.FLOAT16),
+                helper.make_node("MatMul", [y + ".x_fp16", *weight_inputs], [y + ".fp16"], node.name),
+                helper.make_node("Cast", [y + ".fp16"], [y], node.name + ".cast_fp32", to=TensorProto.FLOAT)]
+    if weights == "int8":
+        return [helper.make_node("DynamicQuantizeMatMul", [x, *weight_inputs], [y], node.name, domain="com.microsoft")]
+    return [helper.make_node("MatMulNBits", [x, *weight_inputs], [y], node.name, domain="com.microsoft",
+                             K=k, N=n, bits=4, block_size=EXPERT_BLOCK, accuracy_level=4)]
+
+
+def convert_matrix(store: EngineWeights, name: str, w: np.ndarray, weights: str) -> list[str]:
+    """W [K, N] as matmul_replacement's weight inputs, put in the store; returns their names."""
+    if weights == "fp16":
+        top = float(np.abs(w).max(initial=0))
+        if not top <= np.finfo(np.float16).max:
+            raise ManifestError(f"fp16 weights: {name} holds {top:.4g}, beyond float16's largest value "
+                                f"{np.finfo(np.float16).max:g}; build with fp32, int8 or int4 weights")
+        store.put(name + ".fp16", w.astype(np.float16))
+        return [name + ".fp16"]
+    if weights == "int8":
         scale = np.abs(w).max(axis=0) / 127
         scale[scale == 0] = 1.0
         store.put(name + ".int8", np.clip(np.round(w / scale), -127, 127).astype(np.int8))
@@ -138,32 +171,38 @@ def quantize_matrix(store: EngineWeights, name: str, w: np.ndarray, bits: int) -
     wt = np.ascontiguousarray(w.T)  # [N, K]: MatMulNBits' blocks run along K for each output
     if wt.shape[1] % EXPERT_BLOCK:
         wt = np.pad(wt, ((0, 0), (0, -wt.shape[1] % EXPERT_BLOCK)))
-    packed, scales = quantize_blocks(wt[None], bits, EXPERT_BLOCK)
+    packed, scales = quantize_blocks(wt[None], 4, EXPERT_BLOCK)
     store.put(name + ".int4", packed[0].reshape(wt.shape[0], -1, EXPERT_BLOCK // 2))
     store.put(name + ".scales", scales[0].reshape(-1))
     return [name + ".int4", name + ".scales"]
 
 
-def quantize_experts(model, bits: int, block: int | None = EXPERT_BLOCK, store: EngineWeights | None = None) -> list[str]:
-    """Each com.microsoft MoE node becomes a QMoE over its experts' weights quantized symmetrically to
-    `bits` in blocks of `block` along the input (one fp32 scale per row for None, or where a width does
-    not divide: QMoE's column-wise form), its default zero point 2^(bits-1) the symmetric offset; int4 at
-    accuracy_level 4 (int8 activations), as MatMulNBits here. Returns the names of the nodes that must
-    stay fp32: the routers (the MatMul/Gemm nearest upstream of a MoE's router_probs, through
-    DeepSeek's routing ops: transformers routes in fp32, and a quantized router changes which
-    experts run, not only by how much; DeepSeek-V3's bias is an Add, never quantized) and Qwen2-MoE's
-    shared-expert gate (the projection feeding a Sigmoid directly, one row of hidden_size weights).
-    store None: an in-memory model (bench.moe_ops)."""
-    from onnx import helper
-
-    in_memory = store is None
-    store = store or EngineWeights(model)
+def routing_projections(model) -> list[str]:
+    """The names of the projections every weight mode leaves fp32: the routers (the MatMul/Gemm
+    nearest upstream of a MoE's router_probs, through DeepSeek's routing ops: transformers routes in
+    fp32, and a converted router changes which experts run, not only by how much; DeepSeek-V3's bias
+    is an Add, never converted) and Qwen2-MoE's shared-expert gate (the projection feeding a Sigmoid
+    directly, one row of hidden_size weights)."""
     producer = {out: node for node in model.graph.node for out in node.output}
     sparse = [node for node in model.graph.node if (node.domain, node.op_type) == ("com.microsoft", "MoE")]
     keep = [name for node in sparse for name in routers(node, producer)]
     if sparse:
         keep += [producer[node.input[0]].name for node in model.graph.node if node.op_type == "Sigmoid"
                  and node.input[0] in producer and producer[node.input[0]].op_type in ("MatMul", "Gemm")]
+    return keep
+
+
+def quantize_experts(model, bits: int, block: int | None = EXPERT_BLOCK, store: EngineWeights | None = None) -> None:
+    """Each com.microsoft MoE node becomes a QMoE over its experts' weights quantized symmetrically to
+    `bits` in blocks of `block` along the input (one fp32 scale per row for None, or where a width does
+    not divide: QMoE's column-wise form), its default zero point 2^(bits-1) the symmetric offset; int4 at
+    accuracy_level 4 (int8 activations), as MatMulNBits here. Their routers are routing_projections'.
+    store None: an in-memory model (bench.moe_ops)."""
+    from onnx import helper
+
+    in_memory = store is None
+    store = store or EngineWeights(model)
+    sparse = [node for node in model.graph.node if (node.domain, node.op_type) == ("com.microsoft", "MoE")]
     for node in sparse:
         widths = [store.tensors[name].dims[-1] for name in (node.input[2], node.input[4])]
         blocked = block is not None and all(width % block == 0 for width in widths)
@@ -182,7 +221,6 @@ def quantize_experts(model, bits: int, block: int | None = EXPERT_BLOCK, store: 
                                                         domain="com.microsoft", **attributes))
     if in_memory:
         store.finish()
-    return keep
 
 
 def routers(node, producer: dict) -> list[str]:
@@ -270,6 +308,8 @@ def build(export_dir: Path, out_dir: Path, manifest: Manifest, weights: str = "f
     """Write the engine into out_dir (a fresh directory) and return the manifest's engine section.
     The parity gate runs the export and the engine; for an export with a parity slice (a 7-8B
     model: export/__main__.py), the slice and an engine built from it the same way, and says so."""
+    if weights == "bf16":
+        raise ManifestError(f"bf16 weights: {BF16_REFUSAL}")
     if weights not in WEIGHT_MODES:
         raise ManifestError(f"unknown weight mode {weights!r}; choose one of {', '.join(WEIGHT_MODES)}")
     threads = threads or os.cpu_count() or 1

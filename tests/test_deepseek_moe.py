@@ -111,16 +111,16 @@ def _nodes(path, op: str):
 
 @pytest.mark.parametrize("name", ["deepseek-v2-group", "deepseek-v3"])
 def test_routers_stay_fp32(moe_exports, name):
-    """The int8/int4 build's keep list finds each router behind the routing ops (V2: softmax, TopK,
+    """The build's keep list finds each router behind the routing ops (V2: softmax, TopK,
     ScatterElements; V3 through its sigmoid too): the projections to the 8 experts, one per sparse layer."""
     import onnx
 
-    from engines.onnxruntime_build import quantize_experts
+    from engines.onnxruntime_build import routing_projections
 
     model = onnx.load(str(moe_exports(name) / "model.onnx"))
     weights = {t.name: tuple(t.dims) for t in model.graph.initializer}
     nodes = {n.name: n for n in model.graph.node}
-    keep = set(quantize_experts(model, 4))
+    keep = set(routing_projections(model))
     assert sorted(weights[nodes[k].input[1]] for k in keep) in ([(8, 64)] * 2, [(64, 8)] * 2)
 
 

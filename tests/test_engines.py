@@ -170,6 +170,40 @@ def test_ort_engine_build_records_and_gates(exports, tmp_path):
     assert ops["MatMulNBits"] == 4 * model.num_layers + (not model.tie_word_embeddings) and ops["Gemm"] == 0
 
 
+def test_fp16_engine_halves_the_projections_and_refuses_bf16(exports, tmp_path):
+    """--weights fp16: every projection's weight is stored float16 in the saved engine (the
+    optimizer's graph, not only the build's), the data file shrinks by half the export's projection
+    bytes, the weights were rounded (drift > 0) within the gate, and the engine generates near the
+    export. bf16 is refused for ONNX Runtime, naming why and what to use."""
+    from engines.onnxruntime_build import BF16_REFUSAL, PARITY_TOLERANCE
+    from kvforge.onnx_graphs import all_nodes
+
+    export_dir, out = exports("inplace", "fp32"), tmp_path / "engine-fp16"
+    result = run_cli("engines", "build", str(export_dir), "--backend", "onnxruntime", "--weights", "fp16",
+                     "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    engine, model = Manifest.load(out).engine, Manifest.load(export_dir).model
+    assert engine["weights"] == "fp16"
+    assert 0 < engine["parity_max_abs_diff"] <= engine["parity_tolerance"] == \
+        pytest.approx(PARITY_TOLERANCE["fp16"] * engine["parity_logit_range"])
+    exported = onnx.load(str(export_dir / "model.onnx"), load_external_data=False)
+    sizes = {t.name: int(np.prod(t.dims)) for t in exported.graph.initializer if len(t.dims) == 2}
+    projections = {n.input[1] for n in all_nodes(exported.graph) if n.op_type in ("MatMul", "Gemm") and n.input[1] in sizes}
+    halves = {t.name: int(np.prod(t.dims)) for t in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.initializer
+              if t.data_type == onnx.TensorProto.FLOAT16}
+    assert len(projections) == len(halves) == 4 * model.num_layers + (not model.tie_word_embeddings)
+    assert sum(halves.values()) == sum(sizes[name] for name in projections)  # each converted whole, once
+    saved = 2 * sum(halves.values())  # 4 bytes each in the export, 2 in the engine
+    assert (out / "model.onnx.data").stat().st_size == pytest.approx(
+        (export_dir / "model.onnx.data").stat().st_size - saved, rel=0.02)
+    built, reference = (solo_logits(d, PROMPTS["a"], 6) for d in (out, export_dir))
+    assert max(float(np.abs(a - b).max()) for a, b in zip(built, reference)) <= engine["parity_tolerance"]
+    refused = run_cli("engines", "build", str(export_dir), "--backend", "onnxruntime", "--weights", "bf16",
+                      "--out", str(tmp_path / "bf16"))
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr and not (tmp_path / "bf16").exists()
+    assert BF16_REFUSAL in refused.stderr and "no bfloat16 MatMul" in BF16_REFUSAL
+
+
 def test_an_engine_holds_its_own_weights(exports, tmp_path):
     """An export keeps its weights in model.onnx.data (kvforge.onnx_weights): the built engine
     writes its own weights file and loads with the export gone."""
