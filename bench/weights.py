@@ -1,4 +1,4 @@
-"""Section 7, weights: fp32 vs int8 / int4 weight-quantized ONNX Runtime engines (built by
+"""Section 7, weights: fp32 vs fp16 / int8 / int4 weight ONNX Runtime engines (built by
 `python -m engines build --weights ...`): decode tokens/s on the benchmark model (the engines
 taking turns) and quality (perplexity, greedy agreement with the fp32 engine) on the trained model."""
 from __future__ import annotations
@@ -6,9 +6,8 @@ from __future__ import annotations
 from bench.common import Params, SectionError, kvforge_steps, quality_cells, random_prompts, rendered, say, table
 from bench.kv_dtypes import quality, quality_setup
 from bench.peers import interleaved
+from engines.onnxruntime_build import WEIGHT_MODES
 from kvforge.manifest import Manifest
-
-WEIGHT_MODES = ("fp32", "int8", "int4")
 
 
 def run(params: Params, artifacts) -> dict:

@@ -138,7 +138,7 @@ def test_kv_dtypes_peers_roofline_weights_serving_structure(quick_run):
     assert sum("of the measured read bandwidth" in n for n in names) == 2
     assert sum("the CPU peers' generation tokens/s" in n for n in names) == 2
     weights = results["weights"]["results"]
-    assert [r["weights"] for r in weights] == ["fp32", "int8", "int4"]
+    assert [r["weights"] for r in weights] == ["fp32", "fp16", "int8", "int4"]
     # a refused build fails the section, which test_every_section_ran refuses: every mode was measured
     assert all("error" not in r and {"perplexity", "speed", "engine_bytes"} <= r.keys() and r["engine_bytes"] > 0
                for r in weights), weights
