@@ -2,7 +2,8 @@
 size, on random bf16 checkpoints with real models' exact configs, written a tensor at a time.
 
     python -m bench.big_models [--models qwen2.5-0.5b,llama-3.2-1b,llama-3.2-3b,llama-3.1-8b]
-        [--weights int4] [--max-seq-len 4096] [--drop-after] [--out results/big_models.json]
+        [--weights int4[,int8,fp32]] [--max-seq-len 4096] [--drop-after] [--no-llama-cpp]
+        [--out results/big_models.json]
     python -m bench.big_models --moe [--moe-layers 4] [--weights int4] [--threads N]
 
 --moe: batch-1 decode of a random checkpoint with Qwen3-30B-A3B's layer shapes (--moe-layers of its
@@ -17,8 +18,17 @@ bound: the import and tracing baseline plus about twice the largest tensor or de
 the engine's time to first token for a 1,024-token prompt and its decode tokens/s at batch 1, in
 process. Checkpoints go to build/checkpoints/big/, exports to build/exports/big-* (deleted once
 built), engines to build/engines/big-*-<weights>. Saves JSON, a PNG and a table. Random weights:
-memory and speed only, no quality. llama.cpp is not run beside them: its converter needs a
-tokenizer that covers the model's vocabulary, and these checkpoints carry the presets' 4,096-token one.
+memory and speed only, no quality.
+
+Beside Llama-3.2-1B's checkpoint (LLAMA_CPP_MODELS; --no-llama-cpp leaves it out), llama.cpp on the
+same weights: the checkpoint converted to GGUF Q8_0 by llama.cpp's own convert_hf_to_gguf.py (its peak
+RSS and time in the build columns), llama-bench's pp1024 and tg16 at depth 1,024 with the same threads,
+beside kvforge's int8 engine (Q8_0's peer, built whatever --weights says). The checkpoints carry the
+presets' 4,096-token tokenizer under the real 128,256-token vocabulary: the converter's byte-level BPE
+path (bench.cpu_peers.convert_to_gguf) writes the ids the tokenizer lacks as [PAD<id>] tokens of type
+UNUSED, so the GGUF's vocabulary, embedding table and lm_head are the real size; llama-bench feeds
+token ids, so the tokenizer never runs. llama-bench is built once from the peers section's sdist
+(build/peers/llama.cpp); a host that cannot build it records why and the kvforge rows stand.
 """
 from __future__ import annotations
 
@@ -33,19 +43,21 @@ import time
 from pathlib import Path
 
 from bench.common import ROOT, say, table, write_json
+from bench.cpu_peers import GGUF_TYPES, LlamaCppPeer, PeerUnavailable, gguf_how, llama_cpp, llama_cpp_how
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
-LLAMA3 = dict(architectures=["LlamaForCausalLM"], vocab_size=128256, max_position_embeddings=131072,
-              rms_norm_eps=1e-5, rope_theta=500000.0, bos_token_id=1, eos_token_id=2, head_dim=64,
-              hidden_act="silu", attention_bias=False, mlp_bias=False)
+LLAMA3 = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
+              max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, bos_token_id=1,
+              eos_token_id=2, head_dim=64, hidden_act="silu", attention_bias=False, mlp_bias=False)
 # The configs of the released checkpoints (config.json on the hub), random weights in their place.
 CONFIGS = {
-    "qwen2.5-0.5b": dict(architectures=["Qwen2ForCausalLM"], hidden_size=896, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
-                         max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
-                         tie_word_embeddings=True, use_sliding_window=False, sliding_window=32768,
-                         max_window_layers=21, bos_token_id=1, eos_token_id=2, hidden_act="silu"),
+    "qwen2.5-0.5b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=896,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768,
+                         rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+                         use_sliding_window=False, sliding_window=32768, max_window_layers=21, bos_token_id=1,
+                         eos_token_id=2, hidden_act="silu"),
     "llama-3.2-1b": dict(LLAMA3, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
                          num_key_value_heads=8, intermediate_size=8192, tie_word_embeddings=True,
                          rope_scaling=LLAMA3_ROPE),
@@ -57,14 +69,16 @@ CONFIGS = {
                          rope_scaling={**LLAMA3_ROPE, "factor": 8.0}),
 }
 # Qwen3-30B-A3B's config.json, but MOE_LAYERS of its 48 layers: every shape of a layer is the real one.
-QWEN3_30B_A3B = dict(architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, num_hidden_layers=48,
-                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
-                     moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
-                     decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936, max_position_embeddings=40960,
-                     rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, bos_token_id=1,
-                     eos_token_id=2, hidden_act="silu")
+QWEN3_30B_A3B = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                     num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                     norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936,
+                     max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                     tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, hidden_act="silu")
 MOE_LAYERS = 4
 MOE_PROMPT, MOE_STEPS = 64, 48
+LLAMA_CPP_MODELS = ("llama-3.2-1b",)  # llama.cpp beside kvforge on the same checkpoint (issue 40)
+LLAMA_CPP_OUTTYPE = GGUF_TYPES["int8"]  # Q8_0, kvforge int8's peer
 PROMPT_TOKENS, DECODE_STEPS = 1024, 16  # the size sweep's time to first token and decode speed
 SHARD_BYTES = 2 << 30
 
@@ -177,7 +191,8 @@ def largest_tensor_bytes(checkpoint: Path) -> tuple[int, int]:
     return parameters, largest
 
 
-def run(models: list[str], weights: str, max_seq_len: int, drop_after: bool, out: Path) -> dict:
+def run(models: list[str], weights: list[str], max_seq_len: int, drop_after: bool, llama_cpp: bool,
+        out: Path) -> dict:
     py = sys.executable
     rows = []
     result = {"weights": weights, "max_seq_len": max_seq_len, "threads": os.cpu_count(), "models": rows}
@@ -188,32 +203,76 @@ def run(models: list[str], weights: str, max_seq_len: int, drop_after: bool, out
         random_checkpoint(CONFIGS[name], checkpoint)
         parameters, largest = largest_tensor_bytes(checkpoint)
         export_dir = ROOT / "build" / "exports" / f"big-{name}"
-        engine_dir = ROOT / "build" / "engines" / f"big-{name}-{weights}"
         say(f"{name}: export ({parameters / 1e9:.2f}B parameters)")
         export = measured([py, "-m", "export", "--model", str(checkpoint), "--out", str(export_dir),
                            "--max-seq-len", str(max_seq_len)])
         say(f"{name}: exported in {export['seconds']} s, peak RSS {export['peak_rss_bytes'] / 2**30:.2f} GiB")
-        if drop_after and generated:
+        row = {"model": name, "parameters": parameters, "largest_tensor_fp32_bytes": largest, "export": export,
+               "export_bytes": sum(f.stat().st_size for f in export_dir.iterdir() if f.is_file()), "engines": []}
+        peer = llama_cpp and name in LLAMA_CPP_MODELS  # its converter reads the checkpoint after the builds
+        if drop_after and generated and not peer:
             shutil.rmtree(checkpoint)
-        say(f"{name}: engine build, {weights} weights")
-        build = measured([py, "-m", "engines", "build", str(export_dir), "--backend", "onnxruntime",
-                          "--weights", weights, "--out", str(engine_dir)])
-        say(f"{name}: built in {build['seconds']} s, peak RSS {build['peak_rss_bytes'] / 2**30:.2f} GiB")
-        engine = json.loads((engine_dir / "manifest.json").read_text())["engine"]
-        say(f"{name}: a {PROMPT_TOKENS}-token prefill and {DECODE_STEPS} decode steps at batch 1")
-        prefill, steps = decode_steps(engine_dir, os.cpu_count(), PROMPT_TOKENS, DECODE_STEPS)
-        rows.append({"model": name, "parameters": parameters, "largest_tensor_fp32_bytes": largest,
-                     "export": export, "build": build, "engine_bytes": engine["size_bytes"],
-                     "ttft_1k_s": round(prefill, 2), "decode_tokens_per_s": round(1 / statistics.median(steps), 2),
-                     "parity_scope": engine["parity_scope"], "parity_max_abs_diff": engine["parity_max_abs_diff"],
-                     "export_bytes": sum(f.stat().st_size for f in export_dir.iterdir() if f.is_file())})
+        for mode in weights + (["int8"] if peer and "int8" not in weights else []):  # int8: Q8_0's peer
+            row["engines"].append(kvforge_engine(name, export_dir, mode, drop_after))
         shutil.rmtree(export_dir)  # 4 bytes a parameter: the disk, not the RAM, is what runs out next
-        if drop_after:
-            shutil.rmtree(engine_dir)
+        if peer:
+            try:
+                row["engines"].append(llama_cpp_engine(name, checkpoint, drop_after))
+            except PeerUnavailable as e:
+                say(f"{name}: llama.cpp skipped: {e}")
+                row["llama_cpp_skipped"] = str(e)
+            if drop_after and generated:
+                shutil.rmtree(checkpoint)
+        rows.append(row)
         write_json(out, result)  # what is measured so far survives a later model's failure
     return result
 
 
+def kvforge_engine(name: str, export_dir: Path, weights: str, drop_after: bool) -> dict:
+    """Build the export with `weights` (its peak RSS and time), then its TTFT at 1K and decode speed."""
+    engine_dir = ROOT / "build" / "engines" / f"big-{name}-{weights}"
+    say(f"{name}: engine build, {weights} weights")
+    build = measured([sys.executable, "-m", "engines", "build", str(export_dir), "--backend", "onnxruntime",
+                      "--weights", weights, "--out", str(engine_dir)])
+    say(f"{name}: built in {build['seconds']} s, peak RSS {build['peak_rss_bytes'] / 2**30:.2f} GiB")
+    engine = json.loads((engine_dir / "manifest.json").read_text())["engine"]
+    say(f"{name}: a {PROMPT_TOKENS}-token prefill and {DECODE_STEPS} decode steps at batch 1")
+    prefill, steps = decode_steps(engine_dir, os.cpu_count(), PROMPT_TOKENS, DECODE_STEPS)
+    if drop_after:
+        shutil.rmtree(engine_dir)
+    return {"engine": "kvforge", "weights": weights, "build": build, "engine_bytes": engine["size_bytes"],
+            "ttft_1k_s": round(prefill, 2), "decode_tokens_per_s": round(1 / statistics.median(steps), 2),
+            "parity_scope": engine["parity_scope"], "parity_max_abs_diff": engine["parity_max_abs_diff"]}
+
+
+def llama_cpp_engine(name: str, checkpoint: Path, drop_after: bool) -> dict:
+    """The checkpoint as GGUF Q8_0 by llama.cpp's own converter (bench.cpu_peers, as the peers section
+    converts), its peak RSS and time measured as a build's; then llama-bench (built once, cached) at
+    the sweep's threads: pp of a fresh PROMPT_TOKENS prompt, whose tokens/s give the TTFT
+    (PROMPT_TOKENS / pp t/s: llama-bench reports no first token of its own), and tg of DECODE_STEPS
+    tokens at depth PROMPT_TOKENS, as kvforge decodes after its prompt. PeerUnavailable when
+    llama.cpp cannot be had."""
+    build = llama_cpp(build_allowed=True)
+    gguf = ROOT / "build" / "gguf" / f"big-{name}-{LLAMA_CPP_OUTTYPE}.gguf"
+    gguf.parent.mkdir(parents=True, exist_ok=True)
+    say(f"{name}: GGUF {LLAMA_CPP_OUTTYPE} (llama.cpp's convert_hf_to_gguf.py)")
+    try:
+        convert = measured([sys.executable, "-m", "bench.cpu_peers", str(build["source"]), str(checkpoint),
+                            "--outtype", LLAMA_CPP_OUTTYPE, "--outfile", str(gguf)])
+    except SystemExit as e:  # the kvforge rows measured before it are kept
+        raise PeerUnavailable(f"convert_hf_to_gguf.py --outtype {LLAMA_CPP_OUTTYPE}: {e}") from e
+    say(f"{name}: converted in {convert['seconds']} s, peak RSS {convert['peak_rss_bytes'] / 2**30:.2f} GiB")
+    say(f"{name}: llama-bench, pp{PROMPT_TOKENS} and tg{DECODE_STEPS} at depth {PROMPT_TOKENS}")
+    bench = LlamaCppPeer(build["binary"], gguf, os.cpu_count(), PROMPT_TOKENS, DECODE_STEPS,
+                         {**llama_cpp_how(build), "weights": gguf_how(LLAMA_CPP_OUTTYPE)})
+    rates = bench.round()
+    size = gguf.stat().st_size
+    if drop_after:
+        gguf.unlink()
+    return {"engine": "llama.cpp", "weights": LLAMA_CPP_OUTTYPE, "build": convert, "engine_bytes": size,
+            "ttft_1k_s": round(PROMPT_TOKENS / rates["prompt_tokens_per_s"], 2),
+            "prompt_tokens_per_s": round(rates["prompt_tokens_per_s"], 2),
+            "decode_tokens_per_s": round(rates["generation_tokens_per_s"], 2), "how": bench.how}
 EVERY_EXPERT = "moe, experts computed densely"
 
 
@@ -225,7 +284,7 @@ def moe_configs(layers: int) -> dict[str, dict]:
     moe = {**QWEN3_30B_A3B, "num_hidden_layers": layers}
     dense = {k: v for k, v in moe.items() if k not in ("moe_intermediate_size", "num_experts", "num_experts_per_tok",
                                                        "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")}
-    dense.update(architectures=["Qwen3ForCausalLM"],
+    dense.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3",
                  intermediate_size=moe["num_experts_per_tok"] * moe["moe_intermediate_size"])
     return {"moe": moe, EVERY_EXPERT: {**moe, "num_experts_per_tok": moe["num_experts"]},
             "dense, same active parameters": dense}
@@ -350,13 +409,21 @@ def moe_report(result: dict, out: Path) -> None:
 
 def report(result: dict, out: Path) -> None:
     gib = 2 ** 30
-    print("\n".join(table(["model", "parameters", "largest fp32 tensor GiB", "export s", "export peak GiB",
-                 f"build {result['weights']} s", "build peak GiB", "engine GiB", "TTFT 1K s", "decode tok/s",
-                 "parity on"],
-                [[r["model"], f"{r['parameters'] / 1e9:.2f}B", f"{r['largest_tensor_fp32_bytes'] / gib:.2f}",
-                  r["export"]["seconds"], f"{r['export']['peak_rss_bytes'] / gib:.2f}", r["build"]["seconds"],
-                  f"{r['build']['peak_rss_bytes'] / gib:.2f}", f"{r['engine_bytes'] / gib:.2f}", r["ttft_1k_s"],
-                  r["decode_tokens_per_s"], r["parity_scope"]] for r in result["models"]])))
+    lines = []
+    for r in result["models"]:
+        export = [r["export"]["seconds"], f"{r['export']['peak_rss_bytes'] / gib:.2f}"]
+        for e in r["engines"]:
+            peer = e["engine"] != "kvforge"  # the converter is its export and build in one
+            lines.append([r["model"], f"{r['parameters'] / 1e9:.2f}B", f"{r['largest_tensor_fp32_bytes'] / gib:.2f}",
+                          *(["-", "-"] if peer else export), f"{e['engine']} {e['weights']}", e["build"]["seconds"],
+                          f"{e['build']['peak_rss_bytes'] / gib:.2f}", f"{e['engine_bytes'] / gib:.2f}", e["ttft_1k_s"],
+                          e["decode_tokens_per_s"], e.get("parity_scope", "-")])
+    header = ["model", "parameters", "largest fp32 tensor GiB", "export s", "export peak GiB", "engine", "build s",
+              "build peak GiB", "engine GiB", "TTFT 1K s", "decode tok/s", "parity on"]
+    print("\n".join(table(header, lines)))
+    for r in result["models"]:
+        if "llama_cpp_skipped" in r:
+            print(f"{r['model']}: llama.cpp skipped: {r['llama_cpp_skipped']}")
     write_json(out, result)
     import matplotlib
 
@@ -364,14 +431,19 @@ def report(result: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(6, 4))
-    sizes = [r["parameters"] / 1e9 for r in result["models"]]
-    for stage in ("export", "build"):
-        axis.plot(sizes, [r[stage]["peak_rss_bytes"] / gib for r in result["models"]], "o-", label=f"{stage} peak RSS")
+    rows = result["models"]
+    sizes = [r["parameters"] / 1e9 for r in rows]
+    axis.plot(sizes, [r["export"]["peak_rss_bytes"] / gib for r in rows], "o-", label="export peak RSS")
+    for engine, weights in dict.fromkeys((e["engine"], e["weights"]) for r in rows for e in r["engines"]):
+        points = [(r["parameters"] / 1e9, e["build"]["peak_rss_bytes"] / gib) for r in rows for e in r["engines"]
+                  if (e["engine"], e["weights"]) == (engine, weights)]
+        stage = f"{weights} build" if engine == "kvforge" else f"{engine} {weights} conversion"
+        axis.plot(*zip(*points), "o-" if engine == "kvforge" else "s", label=f"{stage} peak RSS")
     axis.plot(sizes, [4 * s * 1e9 / gib for s in sizes], "k:", label="the model in float32")
     axis.axhline(16, color="r", linestyle="--", label="16 GiB target")
     axis.set_xlabel("parameters (billions)")
     axis.set_ylabel("GiB")
-    axis.set_title(f"Export and {result['weights']} build memory vs model size")
+    axis.set_title(f"Export and {', '.join(result['weights'])} build memory vs model size")
     axis.legend()
     figure.tight_layout()
     figure.savefig(out.with_suffix(".png"), dpi=120)
@@ -381,7 +453,10 @@ def report(result: dict, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(CONFIGS))
-    parser.add_argument("--weights", default="int4", choices=("fp32", "int8", "int4"))
+    parser.add_argument("--weights", default="int4", help="kvforge's engines, comma-separated: fp32, int8, int4")
+    parser.add_argument("--llama-cpp", action=argparse.BooleanOptionalAction, default=True,
+                        help=f"llama.cpp {LLAMA_CPP_OUTTYPE} beside {', '.join(LLAMA_CPP_MODELS)} (and kvforge int8, "
+                             "its peer); llama-bench is built once, cached in build/peers/llama.cpp")
     parser.add_argument("--max-seq-len", type=int, default=4096)
     parser.add_argument("--moe", action="store_true",
                         help="instead: decode of Qwen3-30B-A3B's shapes (--moe-layers layers) vs its experts computed "
@@ -393,10 +468,15 @@ def main() -> None:
                              "(disk: an 8B checkpoint is 16 GB, its export 36 GB, its build 13 GB more)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    weights = args.weights.split(",")
+    if not set(weights) <= {"fp32", "int8", "int4"}:
+        raise SystemExit(f"--weights {args.weights}: choose from fp32, int8, int4")
     if args.moe:
         if not 1 <= args.moe_layers <= QWEN3_30B_A3B["num_hidden_layers"]:
             raise SystemExit(f"--moe-layers {args.moe_layers}: Qwen3-30B-A3B has 1..48")
-        moe_report(moe_run(args.moe_layers, args.weights, args.threads),
+        if len(weights) != 1:
+            raise SystemExit(f"--moe --weights {args.weights}: one of fp32, int8, int4")
+        moe_report(moe_run(args.moe_layers, weights[0], args.threads),
                    args.out or ROOT / "results" / "big_models_moe.json")
         return
     models = args.models.split(",")
@@ -404,7 +484,7 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown models {unknown}; choose from {', '.join(CONFIGS)}")
     out = args.out or ROOT / "results" / "big_models.json"
-    report(run(models, args.weights, args.max_seq_len, args.drop_after, out), out)
+    report(run(models, weights, args.max_seq_len, args.drop_after, args.llama_cpp, out), out)
 
 
 if __name__ == "__main__":

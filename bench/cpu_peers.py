@@ -7,6 +7,7 @@ rest of the section still runs. Every result records how its peer was built and 
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -88,27 +89,42 @@ def llama_cpp(build_allowed: bool, home: Path = LLAMA_CPP_HOME) -> dict:
     inputs = llama_cpp_build_inputs()
     stamp = home / "build-inputs.json"
     binary = home / "build" / "bin" / LLAMA_CPP_TARGET
-    cached = binary.is_file() and stamp.is_file() and json.loads(stamp.read_text())["inputs"] == inputs
-    if not cached:
+
+    def cached() -> bool:
+        return binary.is_file() and stamp.is_file() and json.loads(stamp.read_text())["inputs"] == inputs
+
+    built_here = False
+    if not cached():
         if not build_allowed:
             raise PeerUnavailable(f"no llama.cpp build cached in {home}, and a quick run does not build it "
                                   "(minutes of CPU); `python -m bench --sections peers` builds it once")
         missing = [tool for tool in ("cmake", "cc", "c++") if shutil.which(tool) is None]
         if missing:
             raise PeerUnavailable(f"cannot build llama.cpp: {', '.join(missing)} not found")
-        source = llama_cpp_source(home)
-        log = home / "build.log"
-        log.write_text("")
-        say(f"peers: building llama.cpp's {LLAMA_CPP_TARGET} ({' '.join(LLAMA_CPP_CMAKE_FLAGS)}); log {log}")
-        began = time.perf_counter()
-        run_logged(["cmake", "-S", str(source), "-B", str(home / "build"), *LLAMA_CPP_CMAKE_FLAGS], log)
-        run_logged(["cmake", "--build", str(home / "build"), "--target", LLAMA_CPP_TARGET,
-                    f"-j{os.cpu_count() or 1}"], log)
-        stamp.write_text(json.dumps({"inputs": inputs, "build_seconds": round(time.perf_counter() - began, 1)},
-                                    indent=2) + "\n")
+        home.mkdir(parents=True, exist_ok=True)
+        with (home / "build.lock").open("w") as lock:
+            # one build at a time: a second bench (peers, big_models) waits for it, then finds it cached
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not cached():
+                build_llama_cpp(home, inputs, stamp)
+                built_here = True
     built = json.loads(stamp.read_text())
     return {"binary": binary, "source": llama_cpp_source(home), "build_seconds": built["build_seconds"],
-            "built_this_run": not cached, **inputs}
+            "built_this_run": built_here, **inputs}
+
+
+def build_llama_cpp(home: Path, inputs: dict, stamp: Path) -> None:
+    """cmake configure and build of LLAMA_CPP_TARGET; an interrupted build resumes where it stopped."""
+    source = llama_cpp_source(home)
+    log = home / "build.log"
+    log.write_text("")
+    say(f"peers: building llama.cpp's {LLAMA_CPP_TARGET} ({' '.join(LLAMA_CPP_CMAKE_FLAGS)}); log {log}")
+    began = time.perf_counter()
+    run_logged(["cmake", "-S", str(source), "-B", str(home / "build"), *LLAMA_CPP_CMAKE_FLAGS], log)
+    run_logged(["cmake", "--build", str(home / "build"), "--target", LLAMA_CPP_TARGET, f"-j{os.cpu_count() or 1}"],
+               log)
+    stamp.write_text(json.dumps({"inputs": inputs, "build_seconds": round(time.perf_counter() - began, 1)},
+                                indent=2) + "\n")
 
 
 def llama_bench(binary: Path, gguf: Path, threads: int, *test: str) -> dict:
@@ -131,10 +147,10 @@ class LlamaCppPeer:
     # build names the commit of the checkout it is built inside, kvforge's)
     RECORDED = ("cpu_info", "backends", "type_k", "type_v", "n_threads", "n_batch", "n_ubatch", "flash_attn")
 
-    def __init__(self, binary: Path, gguf: Path, params, how: dict):
-        self.binary, self.gguf, self.threads = binary, gguf, params.threads
-        self.prompt_test = ("-p", str(params.prompt_tokens), "-n", "0")
-        self.generation_test = ("-p", "0", "-n", str(params.new_tokens), "-d", str(params.prompt_tokens))
+    def __init__(self, binary: Path, gguf: Path, threads: int, prompt_tokens: int, new_tokens: int, how: dict):
+        self.binary, self.gguf, self.threads = binary, gguf, threads
+        self.prompt_test = ("-p", str(prompt_tokens), "-n", "0")
+        self.generation_test = ("-p", "0", "-n", str(new_tokens), "-d", str(prompt_tokens))
         self.how = {**how, "llama_bench": ["-t", str(self.threads), "-r", "1", "-o", "json"],
                     "prompt_test": list(self.prompt_test), "generation_test": list(self.generation_test)}
         llama_bench(binary, gguf, self.threads, "-p", "0", "-n", "2")  # warm-up; a crash shows here, before the rounds
@@ -181,20 +197,29 @@ class CTranslate2Generator:
         return gaps[0], gaps[1:]
 
 
+def llama_cpp_how(build: dict) -> dict:
+    """What a llama.cpp result records of the build it ran on (llama_cpp's answer)."""
+    return {"built_from": f"{build['sdist']} sdist (PyPI): its vendored llama.cpp tree, cmake", "cmake_flags":
+            build["cmake_flags"], "target": build["target"], "build_seconds": build["build_seconds"],
+            "built_this_run": build["built_this_run"]}
+
+
+def gguf_how(outtype: str) -> str:
+    return f"GGUF {outtype} (convert_hf_to_gguf.py --outtype {outtype}, the same tree)"
+
+
 def llama_cpp_peers(params, artifacts) -> dict:
     """(engine, weights) -> LlamaCppPeer for f32 and Q8_0 GGUF; PeerUnavailable when llama.cpp cannot be had."""
     build = llama_cpp(build_allowed=not params.quick)
-    how = {"built_from": f"{build['sdist']} sdist (PyPI): its vendored llama.cpp tree, cmake", "cmake_flags":
-           build["cmake_flags"], "target": build["target"], "build_seconds": build["build_seconds"],
-           "built_this_run": build["built_this_run"]}
     peers = {}
     for weights, outtype in GGUF_TYPES.items():
         try:
             gguf = artifacts.gguf(params.model, outtype, build["source"])
         except RuntimeError as e:
             raise PeerUnavailable(f"convert_hf_to_gguf.py --outtype {outtype} failed: {str(e)[-800:]}") from e
-        peers["llama.cpp", weights] = LlamaCppPeer(build["binary"], gguf, params, {
-            **how, "weights": f"GGUF {outtype} (convert_hf_to_gguf.py --outtype {outtype}, the same tree)"})
+        how = {**llama_cpp_how(build), "weights": gguf_how(outtype)}
+        peers["llama.cpp", weights] = LlamaCppPeer(build["binary"], gguf, params.threads, params.prompt_tokens,
+                                                   params.new_tokens, how)
     return peers
 
 
