@@ -177,7 +177,8 @@ bench-long-doc-qa: setup
 		--questions $(DOC_QUESTIONS) --concurrency $(DOC_CONCURRENCY) $(if $(DOC_POOL),--pool-documents $(DOC_POOL),)
 
 # issue 40: export and int4 build peak RSS and time of random checkpoints with Qwen2.5-0.5B's, Llama-3.2-1B/3B's
-# and Llama-3.1-8B's configs (BIG_MODELS), then Qwen3-30B-A3B's MoE layers vs a dense model of their active
+# and Llama-3.1-8B's configs (BIG_MODELS), llama.cpp Q8_0 beside kvforge int8 and int4 on the 1.2B (llama-bench
+# built once, as the peers section builds it), then Qwen3-30B-A3B's MoE layers vs a dense model of their active
 # parameters at batch-1 decode; ~1 h on 2 cores, up to 60 GB of disk at once (build/checkpoints/big, build/exports)
 BIG_MODELS ?= qwen2.5-0.5b,llama-3.2-1b,llama-3.2-3b,llama-3.1-8b
 bench-big-models: setup
