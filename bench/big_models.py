@@ -453,7 +453,7 @@ def report(result: dict, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(CONFIGS))
-    parser.add_argument("--weights", default="int4", help="kvforge's engines, comma-separated: fp32, int8, int4")
+    parser.add_argument("--weights", default="int4", help="kvforge's engines, comma-separated (--moe: one): fp32, int8, int4")
     parser.add_argument("--llama-cpp", action=argparse.BooleanOptionalAction, default=True,
                         help=f"llama.cpp {LLAMA_CPP_OUTTYPE} beside {', '.join(LLAMA_CPP_MODELS)} (and kvforge int8, "
                              "its peer); llama-bench is built once, cached in build/peers/llama.cpp")
@@ -468,14 +468,14 @@ def main() -> None:
                              "(disk: an 8B checkpoint is 16 GB, its export 36 GB, its build 13 GB more)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    weights = args.weights.split(",")
-    if not set(weights) <= {"fp32", "int8", "int4"}:
-        raise SystemExit(f"--weights {args.weights}: choose from fp32, int8, int4")
+    weights, modes = args.weights.split(","), ("fp32", "int8", "int4")
+    if not set(weights) <= set(modes):
+        raise SystemExit(f"--weights {args.weights}: choose from {', '.join(modes)}")
     if args.moe:
         if not 1 <= args.moe_layers <= QWEN3_30B_A3B["num_hidden_layers"]:
             raise SystemExit(f"--moe-layers {args.moe_layers}: Qwen3-30B-A3B has 1..48")
         if len(weights) != 1:
-            raise SystemExit(f"--moe --weights {args.weights}: one of fp32, int8, int4")
+            raise SystemExit(f"--moe --weights {args.weights}: one of {', '.join(modes)}")
         moe_report(moe_run(args.moe_layers, weights[0], args.threads),
                    args.out or ROOT / "results" / "big_models_moe.json")
         return
