@@ -464,7 +464,8 @@ def main() -> None:
     parser.add_argument("--moe-layers", type=int, default=MOE_LAYERS, help="of Qwen3-30B-A3B's 48")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--drop-after", action="store_true",
-                        help="delete each checkpoint this run generated once exported, and each engine once measured "
+                        help="delete each checkpoint this run generated once exported (converted, for llama.cpp), and "
+                             "each engine and GGUF file once measured "
                              "(disk: an 8B checkpoint is 16 GB, its export 36 GB, its build 13 GB more)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
