@@ -196,3 +196,25 @@ def test_moe_served_through_triton(moe_server, moe_checkpoints, model):
     got, got_logprobs = served_greedy(moe_server, model, prompt)
     assert got == tokens
     assert max(abs(a - b) for a, b in zip(got_logprobs, logprobs, strict=True)) <= LOGPROB_TOLERANCE
+
+
+def test_moe_under_the_prefix_cache_a_disk_tier_and_speculation(moe_exports, moe_checkpoints, tmp_path, patient):
+    """MoE changes the MLP only: the engine's KV features run over it unchanged. Transformers' greedy
+    tokens from a prefix hit in RAM, from the disk tier on a restarted engine, and with prompt-lookup
+    drafts verified by the MoE model."""
+    from runtime.llm_engine import LLMEngine, SamplingParams
+    from tests.waiting import wait_for
+
+    _, prompt, tokens = moe_checkpoints["qwen2-moe"][:3]
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    with LLMEngine(moe_exports("qwen2-moe"), threads=1, kv_disk_dir=tmp_path) as engine:
+        cold, = engine.generate([prompt], params)
+        warm, = engine.generate([prompt], params)
+        wait_for(lambda: engine.stats()["tiers"]["disk"]["written_blocks"] > 0
+                 and engine.stats()["tier_write_queue_blocks"] == 0, "the prompt's blocks written to disk")
+    with LLMEngine(moe_exports("qwen2-moe"), threads=1, kv_disk_dir=tmp_path, speculative="ngram") as restarted:
+        from_disk, = restarted.generate([prompt], params)
+        stats = restarted.stats()
+    assert cold.token_ids == warm.token_ids == from_disk.token_ids == tokens
+    assert cold.cached_tokens == 0 and warm.cached_tokens >= 16 and from_disk.cached_tokens >= 16
+    assert stats["tiers"]["disk"]["hit_blocks"] > 0 and stats["spec_verify_rows"] > 0
