@@ -198,10 +198,11 @@ def test_moe_served_through_triton(moe_server, moe_checkpoints, model):
     assert max(abs(a - b) for a, b in zip(got_logprobs, logprobs, strict=True)) <= LOGPROB_TOLERANCE
 
 
-def test_moe_under_the_prefix_cache_a_disk_tier_and_speculation(moe_exports, moe_checkpoints, tmp_path, patient):
+def test_moe_under_the_prefix_cache_tiers_speculation_and_disaggregation(moe_exports, moe_checkpoints, tmp_path, patient):
     """MoE changes the MLP only: the engine's KV features run over it unchanged. Transformers' greedy
-    tokens from a prefix hit in RAM, from the disk tier on a restarted engine, and with prompt-lookup
-    drafts verified by the MoE model."""
+    tokens from a prefix hit in RAM, from the disk tier on a restarted engine, with prompt-lookup
+    drafts verified by the MoE model, and from a prefill worker's hand-off."""
+    from runtime.disaggregation import Disaggregation
     from runtime.llm_engine import LLMEngine, SamplingParams
     from tests.waiting import wait_for
 
@@ -215,6 +216,11 @@ def test_moe_under_the_prefix_cache_a_disk_tier_and_speculation(moe_exports, moe
     with LLMEngine(moe_exports("qwen2-moe"), threads=1, kv_disk_dir=tmp_path, speculative="ngram") as restarted:
         from_disk, = restarted.generate([prompt], params)
         stats = restarted.stats()
-    assert cold.token_ids == warm.token_ids == from_disk.token_ids == tokens
-    assert cold.cached_tokens == 0 and warm.cached_tokens >= 16 and from_disk.cached_tokens >= 16
-    assert stats["tiers"]["disk"]["hit_blocks"] > 0 and stats["spec_verify_rows"] > 0
+    with LLMEngine(moe_exports("qwen2-moe"), threads=1,
+                   disaggregation=Disaggregation(threads=1, threshold_tokens=0)) as disaggregated:
+        wait_for(lambda: disaggregated.pd.up, "the prefill worker to start", 120.0)
+        handed_over, = disaggregated.generate([prompt], params)
+        handoffs = disaggregated.stats()["pd_handoffs"]
+    assert cold.token_ids == warm.token_ids == from_disk.token_ids == handed_over.token_ids == tokens
+    assert cold.cached_tokens == 0 and min(warm.cached_tokens, from_disk.cached_tokens, handed_over.cached_tokens) >= 16
+    assert stats["tiers"]["disk"]["hit_blocks"] > 0 and stats["spec_verify_rows"] > 0 and handoffs == 1
