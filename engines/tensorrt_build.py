@@ -31,13 +31,16 @@ import tempfile
 import time
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from engines import trt_ops
+from engines.onnxruntime_build import EngineWeights
 from kvforge.cli import progress as cli_progress
 from kvforge.manifest import Manifest, ManifestError
+from kvforge.onnx_weights import WeightWriter, save_graph
 from kvforge.tensorrt_host import capturing_logger, missing_requirement, platform
 
 PLAN_FILE = "model.plan"
@@ -48,40 +51,33 @@ DEFAULT_NEW_TOKENS = 512
 TIMING_CACHE_DIR = Path("build/tensorrt")  # a cache only serves the TensorRT version and GPU that wrote it
 
 
-def _low_precision(array: np.ndarray, precision: str) -> TensorProto:
-    if precision == "fp16":
-        return numpy_helper.from_array(np.clip(array, -65504, 65504).astype(np.float16))
-    bits = array.astype(np.float32).view(np.uint32)
-    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
-    return helper.make_tensor("", TensorProto.BFLOAT16, array.shape, rounded.tobytes(), raw=True)
-
-
-def cast_weights(model: onnx.ModelProto, precision: str) -> onnx.ModelProto:
-    """Store fp32 weights used only as MatMul/Gather weights in `precision` and run those ops in it:
-    Cast the activation in, Cast the result back to fp32. Everything else keeps its type."""
+def cast_weights(model: onnx.ModelProto, precision: str, store: EngineWeights | None = None) -> onnx.ModelProto:
+    """Store fp32 weights used only as MatMul/Gather weights in `precision` (rounded to nearest even,
+    as ml_dtypes casts) and run those ops in it: Cast the activation in, Cast the result back to
+    fp32. Everything else keeps its type. store: where the weights are read and written, a tensor
+    at a time (prepare_onnx); None: a model held in memory whole."""
     if precision not in PRECISIONS:
         raise ManifestError(f"unknown TensorRT precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
-    if precision == "fp32":
-        return model
+    store = store or EngineWeights(model)
     graph, low = model.graph, PRECISIONS[precision]
     uses: dict[str, list] = {}
     for node in graph.node:
         for slot, name in enumerate(node.input):
             uses.setdefault(name, []).append(WEIGHT_INPUT.get(node.op_type) == slot)
-    weights = {t.name for t in graph.initializer
-               if t.data_type == TensorProto.FLOAT and all(uses.get(t.name, [False]))}
-    for tensor in graph.initializer:
-        if tensor.name in weights:
-            converted = _low_precision(numpy_helper.to_array(tensor), precision)
-            converted.name = tensor.name
-            tensor.CopyFrom(converted)
-    for value in graph.value_info:  # the exporter also types the initializers there
+    weights = {t.name: f"{t.name}/{precision}" for t in graph.initializer
+               if precision != "fp32" and t.data_type == TensorProto.FLOAT and all(uses.get(t.name, [False]))}
+    dtype = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16}.get(precision)
+    for name, converted in weights.items():
+        array = store.array(name)
+        store.put(converted, (np.clip(array, -65504, 65504) if precision == "fp16" else array).astype(dtype))
+    for value in list(graph.value_info):  # the exporter also types the initializers there
         if value.name in weights:
-            value.type.tensor_type.elem_type = low
+            graph.value_info.remove(value)
     nodes, cast = [], set()
     for node in graph.node:
         slot = WEIGHT_INPUT.get(node.op_type)
         if slot is not None and node.input[slot] in weights:
+            node.input[slot] = weights[node.input[slot]]
             if node.op_type == "MatMul":
                 activation = node.input[0]
                 if activation not in cast:  # q/k/v and gate/up projections share their input
@@ -95,7 +91,20 @@ def cast_weights(model: onnx.ModelProto, precision: str) -> onnx.ModelProto:
             nodes.append(node)
     del graph.node[:]
     graph.node.extend(nodes)
+    store.finish()  # the fp32 originals go; with a writer, every other weight is copied beside the graph
     return model
+
+
+def prepare_onnx(source: Path, prepared: Path, precision: str, capacity: int | None) -> None:
+    """The export at `source` as TensorRT parses it, written to `prepared` and its data file a tensor
+    at a time (a 7-8B export is never in memory whole): weights in `precision`, and for the in-place
+    layout the cache's capacity pinned."""
+    model = onnx.load(str(source), load_external_data=False)
+    with WeightWriter(prepared) as writer:
+        cast_weights(model, precision, EngineWeights(model, source.parent, writer))
+    if capacity is not None:
+        pin_capacity(model, capacity)
+    save_graph(model, prepared)
 
 
 def pin_capacity(model: onnx.ModelProto, capacity: int) -> onnx.ModelProto:
@@ -139,13 +148,9 @@ def build(export_dir: Path, out_dir: Path, manifest: Manifest, precision: str = 
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         with progress(f"preparing the ONNX: {precision} weights, KV cache kept {manifest.kv.storage}"):
-            model = cast_weights(onnx.load(str(export_dir / manifest.onnx_file)), precision)
-            if manifest.kv_layout == "inplace":
-                pin_capacity(model, manifest.max_seq_len)
             prepared = Path(tmp) / "model.onnx"
-            # external data always: protobuf cannot hold more than 2 GiB of weights
-            onnx.save(model, str(prepared), save_as_external_data=True, location="model.onnx.data")
-            del model
+            prepare_onnx(export_dir / manifest.onnx_file, prepared, precision,
+                         manifest.max_seq_len if manifest.kv_layout == "inplace" else None)
         logger = capturing_logger(trt)
         builder = trt.Builder(logger)
         # required on 10.x, the only mode (flag accepted) on 11.x
