@@ -99,7 +99,7 @@ def run(engine_dir: Path, lengths: list[int], threads: int | None, perplexity: b
             prompt = document(engine.tokenizer, n)
             reset_peak()
             t0 = time.perf_counter()
-            out, = engine.generate([prompt], SamplingParams(max_tokens=1))
+            out, = engine.generate([prompt], SamplingParams(max_tokens=1), timeout=None)  # a cold 128K prefill takes minutes
             ttft = time.perf_counter() - t0
             stats = engine.stats()
             rows.append(dict(tokens=n, peak_rss_bytes=status_bytes("VmHWM"), rss_after_bytes=status_bytes("VmRSS"),
