@@ -18,7 +18,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import np_to_triton_dtype
 
-from clients import generate
+from clients.generate import main as generate_cli
 from clients.api import GenerationError, LLMClient
 from kvforge.manifest import Manifest
 from runtime.tokenizer import Tokenizer
@@ -62,7 +62,7 @@ def test_the_command_line_client_reads_a_long_prompt_from_a_file_or_stdin(triton
     for argv in ([PROMPT], ["--prompt-file", str(tmp_path / "prompt.txt")], ["--prompt-file", "-"]):
         (tmp_path / "prompt.txt").write_text(PROMPT)
         monkeypatch.setattr("sys.stdin", io.StringIO(PROMPT))
-        assert generate.main(argv + common) == 0
+        assert generate_cli(argv + common) == 0
         answers.append(capsys.readouterr().out)
     assert answers[0].strip() and answers[0] == answers[1] == answers[2]
     for argv, message in (([], "one of the arguments prompt --prompt-file is required"),
@@ -70,7 +70,7 @@ def test_the_command_line_client_reads_a_long_prompt_from_a_file_or_stdin(triton
                           (["--prompt-file", str(tmp_path / "missing.txt")], "--prompt-file: .*missing.txt"),
                           ([PROMPT, "--timeout", "0"], "--timeout must be a positive number")):
         with pytest.raises(SystemExit):
-            generate.main(argv + common)
+            generate_cli(argv + common)
         assert re.search(message, capsys.readouterr().err), message
 
 
