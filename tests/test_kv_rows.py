@@ -139,6 +139,29 @@ def test_resizes_keep_every_row_and_stay_within_the_budget():
     assert (kv.rows.runner.slots, kv.rows.runner.capacity) == (1, 64)
 
 
+def test_a_row_joining_after_a_wide_step_stays_within_the_budget():
+    """A prompt's chunk widened every row's capacity (the in-place scatter): one more row at that
+    capacity would pass the budget, so the capacity drops back to what the rows hold first. (A
+    fresh-clone run's engine once held 1.25x its kv_cache_bytes this way.)"""
+    budget = 2 * slot_bytes(ArithmeticRunner().manifest.cache_tensors, 224)
+    kv = manager(kv_cache_bytes=budget)
+    a = prefilled(kv, sequence(1, 100))
+    b = sequence(2, 100)
+    kv.place(b, [])
+    feed(kv, [0 if s is a else 100 for s in kv.rows.running])  # a's row takes the chunk's width too
+    kv.rows.take_copies().run()
+    assert kv.rows.capacity >= 200 and 3 * slot_bytes(kv.rows.tensors, kv.rows.capacity) > budget
+    b.tokens.append(5)
+    c = sequence(3, 10)
+    assert kv.rows.can_admit(c)  # three promises of 116 tokens fit
+    kv.place(c, [])
+    kv.rows.take_copies().run()
+    assert kv.rows.runner.kv_bytes_allocated <= budget and kv.rows.runner.slots >= 3
+    feed(kv, [c.pending if s is c else 0 for s in kv.rows.running])
+    assert kv.rows.runner.kv_bytes_allocated <= budget
+    assert_rows_hold_their_kv(kv)
+
+
 def test_admission_counts_the_bytes_of_every_cache_tensor():
     """Reserving: each sequence's promise at its capacity bucket, rows a power of two, within
     the budget; the bytes are the manifest's per-tensor sizes, which the runner's buffers match."""

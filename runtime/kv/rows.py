@@ -147,10 +147,15 @@ class PackedRows:
         self.counters["resizes"] += 1
 
     def _make_room(self, sequences: int) -> None:
-        """Enough runner rows for `sequences` packed rows (the ones before keep their KV)."""
-        rows = self._rows_for(sequences, self.capacity)
-        if rows > self.allocated:
-            self._resize(self.capacity, sequences - 1, rows)
+        """Enough runner rows for `sequences` packed rows (the ones before keep their KV). A
+        capacity grown for a wide step (every row gets its width) may not hold one more row within
+        the budget: it drops to what the rows hold, which admission checked against the budget."""
+        capacity = self.capacity
+        if self._slot_bytes(self._rows_for(sequences, capacity), capacity) > self.kv_cache_bytes:
+            capacity = self.runner.bucket_for(min(self.ends(), self.max_seq_len))
+        rows = self._rows_for(sequences, capacity)
+        if rows > self.allocated or capacity < self.capacity:
+            self._resize(capacity, sequences - 1, rows)
 
     def fit_capacity(self, tokens: int, ahead: int = 0) -> None:
         """A capacity holding `tokens` for the packed rows. Growing drops spare rows too:
