@@ -64,7 +64,7 @@ ifneq ($(KV_REDIS_URL),)
 export KVFORGE_KV_REDIS_URL := $(KV_REDIS_URL)
 endif
 
-.PHONY: setup export verify build-engines repository serve run fleet test test-bench bench bench-long-context bench-long-doc-qa bench-big-models soak redis redis-cluster clean
+.PHONY: setup export verify build-engines repository serve run fleet test test-bench bench bench-long-context bench-long-decode bench-long-doc-qa bench-big-models soak redis redis-cluster clean
 
 setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -144,7 +144,7 @@ redis-cluster: setup
 test: setup
 	$(PY) -m pytest -q
 
-# tests/test_bench.py with the slow bench sections `make test` skips (fleet, mixed_load, mla)
+# tests/test_bench.py with the slow bench sections `make test` skips (fleet, mixed_load, mla, families)
 test-bench: setup
 	KVFORGE_BENCH_ALL=1 $(PY) -m pytest -q tests/test_bench.py
 
@@ -153,14 +153,24 @@ bench: setup
 	$(PY) -m bench $(if $(QUICK),--quick,)
 
 # issue 41 on the long-llama preset (131,072 positions, 16 KiB of KV a token): the TTFT table by tier (cold, RAM,
-# disk after a restart, Redis on a second engine) and peak RSS at LONG_TOKENS prompt tokens; a cold 64K prefill
-# takes minutes on 2 cores, so this is not a section of `make bench`; results/long_context*.json, .png
+# disk after a restart, Redis on a second engine) and peak RSS at LONG_TOKENS prompt tokens, then disaggregated vs
+# aggregated while a PD_TOKENS prompt prefills beside a stream; a cold 64K prefill takes minutes on 2 cores, so
+# this is not a section of `make bench`; results/long_context*.json, .png
 LONG_TOKENS ?= 8192,32768,65536
+PD_TOKENS ?= 65536
 LONG_EXPORT := build/exports/long-llama-131072
 bench-long-context: setup
 	$(MAKE) $(LONG_EXPORT)/manifest.json MODEL=long-llama MAX_SEQ_LEN=131072 EXPORT_DIR=$(LONG_EXPORT)
 	$(PY) -m bench.long_context $(LONG_EXPORT) --tiers --tokens $(LONG_TOKENS)
 	$(PY) -m bench.long_context $(LONG_EXPORT) --tokens $(LONG_TOKENS)
+	$(PY) -m bench.long_context $(LONG_EXPORT) --pd --tokens $(PD_TOKENS)
+
+# issue 41, decode at long context: batch-1 tokens/s and the bytes a step reads by KV dtype (fp32, int8, int4) at
+# DECODE_TOKENS cached tokens on long-llama, where ONNX Runtime spends the step, beside llama.cpp's llama-bench -d
+# (f16 and q8_0 KV, flash attention on; built once and cached) up to 32K; results/long_decode.json, .png
+DECODE_TOKENS ?= 8192,32768,65536,131000
+bench-long-decode: setup
+	$(PY) -m bench.long_decode --tokens $(DECODE_TOKENS)
 
 # issue 41, long-document QA on the same export: DOCS documents of DOC_TOKENS tokens, a warm-up pass (not counted),
 # DOC_QUESTIONS question rounds at DOC_CONCURRENCY; no caching vs RAM only (host pool DOC_POOL documents, empty:

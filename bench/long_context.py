@@ -13,6 +13,7 @@ of its tokens: what the model makes of that document).
     python -m bench.long_context EXPORT_DIR --tiers [--tokens 8192,32768,65536] [--out F]
     python -m bench.long_context EXPORT_DIR --doc-qa [--docs 4] [--doc-tokens 32768] [--questions 2]
         [--concurrency 2] [--answer-tokens 4] [--pool-documents P] [--out F]
+    python -m bench.long_context EXPORT_DIR --pd [--tokens 65536] [--out F]
 
 prints a line per length and saves JSON (default results/long_context.json).
 
@@ -31,6 +32,14 @@ documents' KV, so RAM alone must evict), tiers (that pool + disk + a loopback Re
 configuration: seconds, requests/s, TTFT mean/p50/p90, hit tokens by tier, and whether its greedy
 tokens equal no caching's (a cache that changes an answer fails the run: exit status 1); the table
 is printed and saved with a PNG (default results/long_doc_qa.json, .png).
+
+With --pd, disaggregated vs aggregated while a long prompt prefills: a stream decodes a short
+prompt's answer; once it has PD_STREAM_LEAD tokens the long prompt (the largest --tokens) arrives.
+Per configuration (aggregated: one engine on every core; disaggregated: the decode engine on one
+thread, the prefill worker on the other), the prompt's time to first token and the stream's
+inter-token gaps from the prompt's arrival to its first token (p50, p99, max, tokens/s). Both
+engines get a KV budget that holds the prompt's row beside the stream's (PD_KV_CACHE_BYTES); the
+table is printed and saved with a PNG (default results/long_context_pd.json, .png).
 """
 from __future__ import annotations
 
@@ -38,13 +47,14 @@ import argparse
 import math
 import os
 import tempfile
+import threading
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
 
-from bench.common import ROOT, say, table, write_json
+from bench.common import ROOT, figure, say, table, write_json
 from bench.prefix_cache import engine_request, mapped
 from export.train import split_corpus
 from kvforge.engine_config import DEFAULT_SCORES_BYTES
@@ -57,6 +67,11 @@ DEFAULT_TOKENS = (4096, 16384)
 WARM_UP_TOKENS = 64  # the engines' warm-up prompt: the corpus's last tokens
 # The user's TTFT reductions with KV offloaded to shared storage, by context (their material).
 USER_REDUCTION_PERCENT = {8192: 91, 32768: 96, 65536: 96, 100000: 94}
+PD_STREAM_LEAD = 16  # the stream's tokens before the long prompt arrives
+PD_STREAM_MAX_TOKENS = 30000  # outlasts a 64K prefill on one core; cancelled once the prompt's first token is out
+PD_KV_CACHE_BYTES = 3 << 30  # two rows at a 64K prompt's capacity bucket (80K positions, 16 KiB each: 2.5 GiB)
+PD_CONFIGURATIONS = {"aggregated": dict(threads=2),
+                     "disaggregated": dict(threads=1, disaggregate=True, prefill_threads=1)}
 TIERS = {"ram": "warm from RAM", "disk_page_cache": "from disk, restarted engine (page cache kept)",
          "disk": "from disk, restarted engine (page cache dropped)", "redis": "from Redis, second engine"}
 
@@ -379,6 +394,80 @@ def doc_qa_report(result: dict, out: Path) -> None:
     plt.close(fig)
 
 
+def pd_configuration(engine_dir: Path, tokens: int, scores_bytes: int, options: dict) -> dict:
+    with mapped(LLMEngine(engine_dir, attention_scores_bytes=scores_bytes, kv_cache_bytes=PD_KV_CACHE_BYTES,
+                          **options)) as engine:
+        corpus = document(engine.tokenizer)
+        engine_request(engine, corpus[-WARM_UP_TOKENS:], 2)
+        deadline = time.monotonic() + 120
+        while options.get("disaggregate") and not engine.stats()["pd_prefill_worker_up"]:
+            if time.monotonic() > deadline:  # else the engine prefills the prompt itself
+                raise RuntimeError("the prefill worker did not come up within 120 s")
+            time.sleep(0.1)
+        arrivals, lead = [], threading.Event()
+
+        def on_stream(out):
+            if out.token_ids:
+                arrivals.append(time.perf_counter())
+            if len(arrivals) >= PD_STREAM_LEAD or out.finished:
+                lead.set()
+
+        stream_tokens = min(PD_STREAM_MAX_TOKENS, engine.limits.max_seq_len - 2 * WARM_UP_TOKENS)
+        stream = engine.submit(corpus[-4 * WARM_UP_TOKENS:-2 * WARM_UP_TOKENS],
+                               SamplingParams(max_tokens=stream_tokens, ignore_eos=True), on_stream)
+        if not lead.wait(600) or not arrivals:
+            raise RuntimeError("the stream produced no token in 600 s")
+        arrived = time.perf_counter()
+        out, = engine.generate([document(engine.tokenizer, tokens)], SamplingParams(max_tokens=1), timeout=None)
+        first = time.perf_counter()
+        engine.cancel(stream)
+        stats = engine.stats()
+    if out.error:
+        raise RuntimeError(f"the {tokens}-token prompt failed: {out.error}")
+    window = [t for t in arrivals if arrived <= t <= first]
+    gaps = np.diff([max(t for t in arrivals if t < arrived), *window]) if window else np.array([first - arrived])
+    return dict(ttft_s=first - arrived, stream_tokens=len(window), stream_tokens_per_s=len(window) / (first - arrived),
+                gap_p50_ms=1e3 * float(np.percentile(gaps, 50)), gap_p99_ms=1e3 * float(np.percentile(gaps, 99)),
+                gap_max_ms=1e3 * float(gaps.max()), remote_prefills=stats["pd_remote_prefills"])
+
+
+def pd_run(engine_dir: Path, tokens: int, scores_bytes: int) -> dict:
+    runs = {}
+    for name, options in PD_CONFIGURATIONS.items():
+        say(f"{name}: a stream decodes while a {tokens:,}-token prompt prefills")
+        runs[name] = pd_configuration(engine_dir, tokens, scores_bytes, options)
+        r = runs[name]
+        say(f"{name}: TTFT {r['ttft_s']:.1f} s; stream {r['stream_tokens']} tokens ({r['stream_tokens_per_s']:.1f}/s), "
+            f"gaps p50 {r['gap_p50_ms']:.0f} / p99 {r['gap_p99_ms']:.0f} / max {r['gap_max_ms']:.0f} ms")
+    return dict(engine_dir=str(engine_dir), prompt_tokens=tokens, stream_lead_tokens=PD_STREAM_LEAD,
+                kv_cache_bytes=PD_KV_CACHE_BYTES, configurations=PD_CONFIGURATIONS, runs=runs)
+
+
+def pd_report(result: dict, out: Path) -> None:
+    runs = result["runs"]
+    print("\n".join(table(
+        ["configuration", "prompt TTFT", "stream tokens/s while it prefills", "stream gap p50 / p99 / max"],
+        [[name, f"{r['ttft_s']:.1f} s", f"{r['stream_tokens_per_s']:.1f}",
+          f"{r['gap_p50_ms']:.0f} / {r['gap_p99_ms']:.0f} / {r['gap_max_ms']:.0f} ms"] for name, r in runs.items()])))
+    plt = figure()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    names = list(runs)
+    left.bar(names, [runs[n]["ttft_s"] for n in names])
+    left.set_ylabel("seconds")
+    left.set_title(f"time to first token, {result['prompt_tokens']:,}-token prompt")
+    for offset, key in enumerate(("gap_p50_ms", "gap_p99_ms", "gap_max_ms")):
+        right.bar([i + 0.27 * (offset - 1) for i in range(len(names))], [runs[n][key] for n in names], width=0.27,
+                  label=key.split("_")[1])
+    right.set_xticks(range(len(names)), names)
+    right.set_yscale("log")
+    right.set_ylabel("ms")
+    right.set_title("the stream's inter-token gaps meanwhile")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("engine_dir", type=Path)
@@ -390,6 +479,8 @@ def main() -> None:
                         help="the engine's scores budget (default %(default)s)")
     parser.add_argument("--tiers", action="store_true", help="the TTFT table by tier instead of peak RSS")
     parser.add_argument("--doc-qa", action="store_true", help="long-document QA instead of peak RSS")
+    parser.add_argument("--pd", action="store_true",
+                        help="disaggregated vs aggregated while the largest --tokens prompt prefills, instead of peak RSS")
     qa = parser.add_argument_group("--doc-qa")
     qa.add_argument("--docs", type=int, default=4, help="documents (default %(default)s)")
     qa.add_argument("--doc-tokens", type=int, default=8192, help="tokens per document (default %(default)s)")
@@ -403,7 +494,8 @@ def main() -> None:
                              "with --doc-qa results/long_doc_qa.json)")
     args = parser.parse_args()
     lengths = sorted(int(t) for t in args.tokens.split(","))
-    name = "long_context_tiers" if args.tiers else "long_doc_qa" if args.doc_qa else "long_context"
+    name = ("long_context_tiers" if args.tiers else "long_doc_qa" if args.doc_qa else
+            "long_context_pd" if args.pd else "long_context")
     out = args.out or ROOT / "results" / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.doc_qa:
@@ -416,6 +508,10 @@ def main() -> None:
         doc_qa_report(result, out)
         if not result["correct"]:
             raise SystemExit(f"long-document QA: a cached configuration answered differently or failed (see {out})")
+    elif args.pd:
+        result = pd_run(args.engine_dir, lengths[-1], args.attention_scores_mib << 20)
+        write_json(out, result)
+        pd_report(result, out)
     elif args.tiers:
         result = tier_table(args.engine_dir, lengths, args.threads, args.attention_scores_mib << 20)
         write_json(out, result)

@@ -66,34 +66,23 @@ def profile_step(export_dir: Path, tokens: int, threads: int, every_position: bo
     """Kernel time per category of one `tokens`-long prefill as the engine runs it alone (after
     an unprofiled warm-up), asking for the last position's logits (generation) or, in one step,
     every position's (scoring)."""
-    import onnxruntime as ort
-
     from runtime.runners import open_runner
-    from runtime.runners.ort import session_options
 
     runner = open_runner(export_dir, threads)
     vocab = runner.manifest.model.vocab_size
     chunk = tokens if every_position else SOLO_PREFILL_TOKENS
     with tempfile.TemporaryDirectory() as tmp:
-        opts = session_options(threads)
-        opts.enable_profiling = True
-        opts.profile_file_prefix = str(Path(tmp) / "prefill")
-        runner.session = ort.InferenceSession(str(runner_path(export_dir)), opts, providers=["CPUExecutionProvider"])
+        profile(runner, export_dir, threads, Path(tmp))
         ids = np.random.default_rng(tokens).integers(3, vocab, (1, tokens))
         for _ in range(2):  # the first run allocates and picks kernels; the second is analysed
             began = time.perf_counter()
             steps = solo_prefill(runner, ids, chunk, every_position)
             wall = time.perf_counter() - began
-        events = json.loads(Path(runner.session.end_profiling()).read_text())
-    runs = [e for e in events if e.get("name") == "model_run"][-steps:]
-    nodes = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")
-             and any(r["ts"] <= e["ts"] <= r["ts"] + r["dur"] for r in runs)]
+        runs, nodes = kernel_events(runner, steps)
     split = {"matmul": 0.0, "lm_head_matmul": 0.0, "attention": 0.0, "other": 0.0}
-    by_op: dict[str, float] = {}
     weight_matmuls = []  # (input shape, weight shape) of every matmul by a 2-D weight
     for e in nodes:
         op, seconds = e["args"]["op_name"], e["dur"] / 1e6
-        by_op[op] = by_op.get(op, 0.0) + seconds
         if op in MATMUL_OPS:
             inputs, output = _shapes(e["args"]["input_type_shape"]), _shapes(e["args"]["output_type_shape"])[0]
             split["lm_head_matmul" if output[-1] == vocab else "matmul"] += seconds
@@ -102,11 +91,39 @@ def profile_step(export_dir: Path, tokens: int, threads: int, every_position: bo
         else:
             split["attention" if op in ATTENTION_OPS else "other"] += seconds
     kernels = sum(split.values())
+    by_op = seconds_by_op(nodes)
     return {"tokens": tokens, "chunk_tokens": chunk, "steps": steps, "wall_s": wall,
             "model_run_s": sum(r["dur"] for r in runs) / 1e6, "kernel_s": kernels,
             "seconds": split, "percent": {k: 100 * v / kernels for k, v in split.items()},
             "top_ops_s": dict(sorted(by_op.items(), key=lambda kv: -kv[1])[:10]), "ops_s": by_op,
             "weight_matmuls": weight_matmuls}
+
+
+def profile(runner, export_dir: Path, threads: int, tmp: Path) -> None:
+    """Give runner a session of the same graph under ONNX Runtime's profiler (files in tmp)."""
+    import onnxruntime as ort
+
+    from runtime.runners.ort import session_options
+
+    opts = session_options(threads)
+    opts.enable_profiling = True
+    opts.profile_file_prefix = str(tmp / "profile")
+    runner.session = ort.InferenceSession(str(runner_path(export_dir)), opts, providers=["CPUExecutionProvider"])
+
+
+def kernel_events(runner, runs: int) -> tuple[list[dict], list[dict]]:
+    """The profiled session's last `runs` model runs and the kernel events inside them (ends the profile)."""
+    events = json.loads(Path(runner.session.end_profiling()).read_text())
+    last = [e for e in events if e.get("name") == "model_run"][-runs:]
+    return last, [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")
+                  and any(r["ts"] <= e["ts"] <= r["ts"] + r["dur"] for r in last)]
+
+
+def seconds_by_op(nodes: list[dict]) -> dict[str, float]:
+    by_op: dict[str, float] = {}
+    for e in nodes:
+        by_op[e["args"]["op_name"]] = by_op.get(e["args"]["op_name"], 0.0) + e["dur"] / 1e6
+    return by_op
 
 
 def runner_path(export_dir: Path) -> Path:

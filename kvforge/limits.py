@@ -17,9 +17,10 @@ WAITING_PER_SLOT = 8
 # The step model returns logits for every position: a request holds at most this many bytes of
 # them (its tokens x vocab x 4 B), and a batch of requests as well (its rows x the longest).
 SCORE_LOGITS_BYTES = 512 << 20
-# The KV reservation is mapped at startup (runtime/runners/ort.py SlotReservation): it may take
-# at most this share of the RAM available then, the rest left to the weights, the host block
-# pool's pages and each step's activations.
+# The KV reservation is mapped at startup (runtime/runners/ort.py SlotReservation), and with the
+# prefix cache as much of the host block pool again (its margin ahead of use, HostBlockPool.map_ahead):
+# together at most this share of the RAM available then, the rest left to the weights, the pool's
+# other pages and each step's activations.
 RAM_SHARE = 0.8
 # where the memory limit of this process's cgroup is read (v2, then v1): (limit, usage)
 CGROUP_MEMORY = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
@@ -58,13 +59,15 @@ class Limits:
 
     @classmethod
     def from_manifest(cls, manifest: Manifest, slots: int | None = None, max_waiting: int | None = None,
-                      kv_cache_bytes: int | None = None, available: tuple[int, str] | None = None) -> "Limits":
+                      kv_cache_bytes: int | None = None, available: tuple[int, str] | None = None,
+                      host_pool_bytes: int = 0) -> "Limits":
         """kv_cache_bytes None: DEFAULT_KV_CACHE_BYTES, or one sequence at max_seq_len if that is
         more, so that an engine built for N tokens serves an N-token request. Default slots make
         the worst case (every slot at max_seq_len) fit it, bounded by what the engine was built for
         (a TensorRT profile's max batch). Refused when what would be mapped at startup exceeds
         RAM_SHARE of the RAM available (`available`: (bytes, where that figure comes from);
-        default available_ram()), naming the setting to change."""
+        default available_ram()), naming the setting to change; with a host block pool of
+        host_pool_bytes (the prefix cache on), its margin mapped ahead counts too."""
         per_slot = slot_bytes(manifest.cache_tensors, manifest.max_seq_len)  # rings count their cells only
         given = kv_cache_bytes is not None
         kv_cache_bytes = kv_cache_bytes if given else max(DEFAULT_KV_CACHE_BYTES, per_slot)
@@ -81,11 +84,15 @@ class Limits:
                      score_rows=max(1, min(slots, SCORE_LOGITS_BYTES // (tokens * vocab * 4))),
                      score_tokens=tokens)
         ram, source = available or available_ram()
-        if limits.kv_reserved_bytes > RAM_SHARE * ram:
+        margin = min(host_pool_bytes, limits.kv_reserved_bytes)
+        if limits.kv_reserved_bytes + margin > RAM_SHARE * ram:
             what = (f"kv_cache_bytes {mib(kv_cache_bytes)}" if given else
                     f"one {manifest.max_seq_len}-token sequence's KV, {mib(per_slot)} "
                     f"({manifest.kv_bytes_per_token} bytes per token),")
-            raise ValueError(f"{what} exceeds {RAM_SHARE:.0%} of the {mib(ram)} of RAM available ({source}): set "
+            if margin:
+                what += f" and as much of the host block pool mapped ahead ({mib(margin)}) together"
+            raise ValueError(f"{what} exceed{'' if margin else 's'} {RAM_SHARE:.0%} of the {mib(ram)} of RAM "
+                             f"available ({source}): set "
                              "kv_cache_bytes lower (--kv-cache-mib of `engines repository`, make KV_CACHE_MIB=...) "
                              "to serve shorter requests, or build the engine for a shorter MAX_SEQ_LEN")
         return limits

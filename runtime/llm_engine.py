@@ -66,11 +66,12 @@ class LLMEngine:
             raise ManifestError(f"continuous batching needs the inplace KV layout; {engine_dir} is "
                                 f"{manifest.kv_layout} (re-export with --kv-layout inplace)")
         self.manifest = manifest
-        self.limits = Limits.from_manifest(manifest, config.slots, config.max_waiting, config.kv_cache_bytes)
+        kv_host_bytes = default_kv_host_bytes() if config.kv_host_bytes is None else config.kv_host_bytes
+        self.limits = Limits.from_manifest(manifest, config.slots, config.max_waiting, config.kv_cache_bytes,
+                                           host_pool_bytes=kv_host_bytes if config.prefix_cache else 0)
         self.tokenizer = Tokenizer(engine_dir, manifest)
         self.grammars = Grammars(engine_dir / "tokenizer.json", manifest.model.vocab_size, self.tokenizer.eos_token_ids)
         self.runner = open_runner(engine_dir, config.threads, config.spin_us)
-        kv_host_bytes = default_kv_host_bytes() if config.kv_host_bytes is None else config.kv_host_bytes
         pool = HostBlockPool(self.runner.block, kv_host_bytes) if config.prefix_cache else None
         self._cond = threading.Condition()
         namespace = cache_namespace(manifest)
@@ -370,6 +371,7 @@ class LLMEngine:
                               "on_output callback is stuck")
         if self.kv.pool is not None:  # its mapped pages go back now, not when a collection finds the engine
             self.kv.pool.close()
+        self.runner.close()  # and the KV reservation's
 
     def __enter__(self) -> "LLMEngine":
         return self

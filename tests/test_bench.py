@@ -17,9 +17,10 @@ from tests.conftest import run_cli
 # suite's default per-test timeout (pyproject.toml)
 pytestmark = pytest.mark.timeout(1800)
 
-# The three slowest quick sections (several Triton servers, several MLA exports: about half of the
-# quick run) run under `make test-bench` (KVFORGE_BENCH_ALL=1) and are skipped by `make test`.
-SLOW = {"fleet": "Fleet:", "mixed_load": "mixed_load:", "mla": "MLA"}  # section -> its targets' prefix
+# The four slowest quick sections (several Triton servers, several MLA exports, eleven families'
+# exports: well over half of the quick run) run under `make test-bench` (KVFORGE_BENCH_ALL=1) and
+# are skipped by `make test` (tests/test_families.py covers the families themselves).
+SLOW = {"fleet": "Fleet:", "mixed_load": "mixed_load:", "mla": "MLA", "families": "Families"}  # section -> its targets' prefix
 RUN_ALL = os.environ.get("KVFORGE_BENCH_ALL") == "1"
 slow_section = pytest.mark.skipif(not RUN_ALL, reason="a slow bench section: `make test-bench` runs it")
 SECTIONS = ("cache_speedup", "layouts", "kv_dtypes", "peers", "serving", "roofline", "weights", "prefix_cache",
@@ -423,6 +424,7 @@ def test_structured_structure(quick_run):
     assert "## Structured outputs" in (out / "bench.md").read_text()
 
 
+@slow_section
 def test_families_structure(quick_run):
     """Issue 39: per family an export time, engine sizes for every weight mode, decode at each context
     for fp32 and int8, and the quantized engines' log-prob drift; the windowed KV arithmetic."""

@@ -65,6 +65,12 @@ def test_the_budget_holds_one_full_sequence_by_default_and_is_refused_beyond_ram
         Limits.from_manifest(manifest, available=(full, "a test's figure"))
     with pytest.raises(ValueError, match="kv_cache_bytes 1.0 MiB exceeds 80% of the 1.0 MiB"):
         Limits.from_manifest(manifest, kv_cache_bytes=1 << 20, available=(1 << 20, "a test's figure"))
+    # the prefix cache's host pool maps as much again ahead of use: 2 + 2 MiB pass 80% of 4 MiB, 2 alone do not
+    room = (2 * full, "a test's figure")
+    assert Limits.from_manifest(manifest, available=room).kv_reserved_bytes == full
+    with pytest.raises(ValueError, match=re.escape("and as much of the host block pool mapped ahead (2.0 MiB) "
+                                                   "together exceed 80% of the 4.0 MiB")):
+        Limits.from_manifest(manifest, available=room, host_pool_bytes=1 << 30)
     with LLMEngine(long_dir, threads=1) as engine:  # a prompt of the whole context runs with default settings
         out, = engine.generate([long_prompt(SERVING_CONTEXT - 4)], GREEDY)
         assert out.prompt_tokens == SERVING_CONTEXT - 4 and len(out.token_ids) == 4
@@ -190,3 +196,41 @@ def test_long_document_qa_answers_the_same_from_every_configuration(long_dir, pa
     assert tiers.keys() == {"ram", "disk", "redis"} and tiers["disk"] + tiers["redis"] > 0, tiers
     doc_qa_report(result, tmp_path / "doc_qa.json")
     assert (tmp_path / "doc_qa.png").stat().st_size > 0
+
+
+def test_long_decode_reports_rate_bytes_and_kernels_per_kv_dtype(exports, long_dir, tmp_path):
+    """bench.long_decode on the tiny preset, kvforge only: a point per context and KV dtype with
+    the bytes its step reads (the context's KV in that dtype), one profiled step's kernel time by
+    op, the table and the plot."""
+    from bench.long_decode import kernel_split, kvforge_points, report
+
+    dirs = {"fp32": long_dir, "int8": exports(dtype="int8", max_seq_len=SERVING_CONTEXT)}
+    kvforge = {dtype: kvforge_points(directory, [256, 1024], threads=1) for dtype, directory in dirs.items()}
+    for dtype, points in kvforge.items():
+        per_token = Manifest.load(dirs[dtype]).kv_bytes_per_token
+        assert [p["context"] for p in points] == [256, 1024]
+        for p in points:
+            assert p["kv_bytes_per_step"] == p["context"] * per_token, (dtype, p)
+            assert p["weight_bytes_per_step"] > 0 and p["tokens_per_s"] > 0 and p["gb_per_s"] > 0
+    assert kvforge["int8"][1]["kv_bytes_per_step"] < kvforge["fp32"][1]["kv_bytes_per_step"] / 3
+    split = kernel_split(long_dir, 1024, threads=1)
+    assert split["kernel_ms_per_step"] > 0 and "MatMul" in split["percent_by_op"]
+    assert 0 < sum(split["percent_by_op"].values()) <= 100.5
+    report({"model": "tiny-llama", "threads": 1, "kvforge": kvforge, "profile": [split]}, tmp_path / "decode.json")
+    assert (tmp_path / "decode.png").stat().st_size > 0
+
+
+def test_disaggregated_and_aggregated_while_a_long_prompt_prefills(long_dir, tmp_path):
+    """bench.long_context --pd on the tiny preset: each configuration answers the long prompt
+    while the stream decodes, the disaggregated one through its prefill worker, and the report
+    has its table and plot."""
+    from bench.long_context import PD_CONFIGURATIONS, pd_report, pd_run
+
+    result = pd_run(long_dir, 1500, 64 << 20)
+    runs = result["runs"]
+    assert list(runs) == list(PD_CONFIGURATIONS)
+    for name, r in runs.items():
+        assert r["ttft_s"] > 0 and r["gap_max_ms"] >= r["gap_p99_ms"] >= r["gap_p50_ms"] > 0, (name, r)
+    assert (runs["aggregated"]["remote_prefills"], runs["disaggregated"]["remote_prefills"]) == (0, 1)
+    pd_report(result, tmp_path / "pd.json")
+    assert (tmp_path / "pd.png").stat().st_size > 0

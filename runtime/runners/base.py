@@ -77,6 +77,11 @@ class Runner(ABC):
         """Before allocate: the KV memory every later layout within `nbytes` lives in (runners
         that hold their KV in fixed buffers anyway need none)."""
 
+    def close(self) -> None:
+        """Give the KV memory back (the engine has stopped): a process that starts engine after
+        engine (tests, benchmarks) would otherwise hold each one's until a garbage collection
+        breaks the engine's reference cycles (runtime/kv/block_pool.py HostBlockPool.close)."""
+
     @abstractmethod
     def allocate(self, slots: int, capacity: int) -> None:
         """(Re)create empty KV buffers for `slots` sequences of up to `capacity` tokens."""

@@ -131,6 +131,11 @@ class OrtInplaceRunner(_OrtRunner):
         tensors = tuple(self.cache.values())
         self.reservation = SlotReservation(tensors, nbytes // sum(t.bytes_per_token for t in tensors))
 
+    def close(self) -> None:
+        if self.reservation is not None:
+            self.reservation.populated.wait()
+        self.reservation, self.buffers, self._binding, self._bound_rows = None, {}, None, 0
+
     def _reserved(self, slots: int, capacity: int) -> bool:
         return self.reservation is not None and self.reservation.fits(slots, capacity)
 
