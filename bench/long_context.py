@@ -38,7 +38,7 @@ prompt's answer; once it has PD_STREAM_LEAD tokens the long prompt (the largest 
 Per configuration (aggregated: one engine on every core; disaggregated: the decode engine on one
 thread, the prefill worker on the other), the prompt's time to first token and the stream's
 inter-token gaps from the prompt's arrival to its first token (p50, p99, max, tokens/s). Both
-engines get a KV budget that holds the prompt's row beside the stream's (PD_KV_CACHE_BYTES); the
+engines get a KV budget and slots that hold the prompt's row beside the stream's; the
 table is printed and saved with a PNG (default results/long_context_pd.json, .png).
 """
 from __future__ import annotations
@@ -68,10 +68,14 @@ WARM_UP_TOKENS = 64  # the engines' warm-up prompt: the corpus's last tokens
 # The user's TTFT reductions with KV offloaded to shared storage, by context (their material).
 USER_REDUCTION_PERCENT = {8192: 91, 32768: 96, 65536: 96, 100000: 94}
 PD_STREAM_LEAD = 16  # the stream's tokens before the long prompt arrives
-PD_STREAM_MAX_TOKENS = 30000  # outlasts a 64K prefill on one core; cancelled once the prompt's first token is out
-PD_KV_CACHE_BYTES = 3 << 30  # two rows at a 64K prompt's capacity bucket (80K positions, 16 KiB each: 2.5 GiB)
+PD_STREAM_MAX_TOKENS = 20000  # outlasts a 64K prefill on one core; cancelled once the prompt's first token is out
+# two rows at a 64K prompt's capacity bucket (80K positions of 16 KiB: 2.5 GiB), in two slots (the
+# default at this budget is one 131,072-token slot: the prompt would wait for the stream's)
+PD_KV_CACHE_BYTES, PD_SLOTS = 3 << 30, 2
 PD_CONFIGURATIONS = {"aggregated": dict(threads=2),
+                     "aggregated-budget-512": dict(threads=2, prefill_budget=512),
                      "disaggregated": dict(threads=1, disaggregate=True, prefill_threads=1)}
+PD_PROMPT_TIMEOUT = 900.0  # seconds: a prompt that the stream starves ends as "timeout", and the table says so
 TIERS = {"ram": "warm from RAM", "disk_page_cache": "from disk, restarted engine (page cache kept)",
          "disk": "from disk, restarted engine (page cache dropped)", "redis": "from Redis, second engine"}
 
@@ -396,7 +400,7 @@ def doc_qa_report(result: dict, out: Path) -> None:
 
 def pd_configuration(engine_dir: Path, tokens: int, scores_bytes: int, options: dict) -> dict:
     with mapped(LLMEngine(engine_dir, attention_scores_bytes=scores_bytes, kv_cache_bytes=PD_KV_CACHE_BYTES,
-                          **options)) as engine:
+                          slots=PD_SLOTS, **options)) as engine:
         corpus = document(engine.tokenizer)
         engine_request(engine, corpus[-WARM_UP_TOKENS:], 2)
         deadline = time.monotonic() + 120
@@ -404,11 +408,13 @@ def pd_configuration(engine_dir: Path, tokens: int, scores_bytes: int, options: 
             if time.monotonic() > deadline:  # else the engine prefills the prompt itself
                 raise RuntimeError("the prefill worker did not come up within 120 s")
             time.sleep(0.1)
-        arrivals, lead = [], threading.Event()
+        arrivals, lead, ended = [], threading.Event(), []
 
         def on_stream(out):
             if out.token_ids:
                 arrivals.append(time.perf_counter())
+            if out.finished:
+                ended.append(time.perf_counter())
             if len(arrivals) >= PD_STREAM_LEAD or out.finished:
                 lead.set()
 
@@ -418,36 +424,54 @@ def pd_configuration(engine_dir: Path, tokens: int, scores_bytes: int, options: 
         if not lead.wait(600) or not arrivals:
             raise RuntimeError("the stream produced no token in 600 s")
         arrived = time.perf_counter()
-        out, = engine.generate([document(engine.tokenizer, tokens)], SamplingParams(max_tokens=1), timeout=None)
+        answered, outputs = threading.Event(), []
+        engine.submit(document(engine.tokenizer, tokens), SamplingParams(max_tokens=1),
+                      lambda o: o.finished and (outputs.append(o), answered.set()), timeout=PD_PROMPT_TIMEOUT)
+        if not answered.wait(PD_PROMPT_TIMEOUT + 60):
+            raise RuntimeError(f"the {tokens}-token prompt neither answered nor timed out")
         first = time.perf_counter()
         engine.cancel(stream)
         stats = engine.stats()
-    if out.error:
+    out, = outputs
+    if out.error and out.finish_reason != "timeout":
         raise RuntimeError(f"the {tokens}-token prompt failed: {out.error}")
-    window = [t for t in arrivals if arrived <= t <= first]
-    gaps = np.diff([max(t for t in arrivals if t < arrived), *window]) if window else np.array([first - arrived])
-    return dict(ttft_s=first - arrived, stream_tokens=len(window), stream_tokens_per_s=len(window) / (first - arrived),
+    # the stream's gaps from its last token before the prompt arrived to its first one after the
+    # prompt's first token (to the prompt's first token if none came before the cancel), or to its
+    # end if it ended first: then the prompt waited for it (stream_outlasted false)
+    outlasted = not ended or ended[0] > first
+    end = first if outlasted else ended[0]
+    window = [t for t in arrivals if arrived <= t <= end]
+    after = ([t for t in arrivals if t > first][:1] or [first]) if outlasted else []
+    gaps = np.diff([max(t for t in arrivals if t < arrived), *window, *after]) if window or after else \
+        np.array([end - max(arrivals)])
+    return dict(ttft_s=first - arrived, answered=out.finish_reason != "timeout", stream_outlasted=outlasted,
+                stream_tokens=len(window),
+                stream_tokens_per_s=len(window) / (end - arrived),
                 gap_p50_ms=1e3 * float(np.percentile(gaps, 50)), gap_p99_ms=1e3 * float(np.percentile(gaps, 99)),
                 gap_max_ms=1e3 * float(gaps.max()), remote_prefills=stats["pd_remote_prefills"])
 
 
-def pd_run(engine_dir: Path, tokens: int, scores_bytes: int) -> dict:
+def pd_run(engine_dir: Path, tokens: int, scores_bytes: int, names: list[str] | None = None) -> dict:
     runs = {}
-    for name, options in PD_CONFIGURATIONS.items():
+    for name in names or PD_CONFIGURATIONS:
+        options = PD_CONFIGURATIONS[name]
         say(f"{name}: a stream decodes while a {tokens:,}-token prompt prefills")
         runs[name] = pd_configuration(engine_dir, tokens, scores_bytes, options)
         r = runs[name]
-        say(f"{name}: TTFT {r['ttft_s']:.1f} s; stream {r['stream_tokens']} tokens ({r['stream_tokens_per_s']:.1f}/s), "
-            f"gaps p50 {r['gap_p50_ms']:.0f} / p99 {r['gap_p99_ms']:.0f} / max {r['gap_max_ms']:.0f} ms")
+        say(f"{name}: TTFT {r['ttft_s']:.1f} s{'' if r['answered'] else ' (no first token: ended by the timeout)'}; stream {r['stream_tokens']} tokens ({r['stream_tokens_per_s']:.1f}/s), "
+            f"gaps p50 {r['gap_p50_ms']:.0f} / p99 {r['gap_p99_ms']:.0f} / max {r['gap_max_ms']:.0f} ms"
+            + ("" if r["stream_outlasted"] else "; the stream ended before the prompt's first token"))
     return dict(engine_dir=str(engine_dir), prompt_tokens=tokens, stream_lead_tokens=PD_STREAM_LEAD,
-                kv_cache_bytes=PD_KV_CACHE_BYTES, configurations=PD_CONFIGURATIONS, runs=runs)
+                kv_cache_bytes=PD_KV_CACHE_BYTES, slots=PD_SLOTS, configurations=PD_CONFIGURATIONS, runs=runs)
 
 
 def pd_report(result: dict, out: Path) -> None:
     runs = result["runs"]
     print("\n".join(table(
         ["configuration", "prompt TTFT", "stream tokens/s while it prefills", "stream gap p50 / p99 / max"],
-        [[name, f"{r['ttft_s']:.1f} s", f"{r['stream_tokens_per_s']:.1f}",
+        [[name, (f"{r['ttft_s']:.1f} s" if r["answered"] else f"none in {r['ttft_s']:.0f} s")
+          + ("" if r["stream_outlasted"] else " (after the stream ended)"),
+          f"{r['stream_tokens_per_s']:.1f}",
           f"{r['gap_p50_ms']:.0f} / {r['gap_p99_ms']:.0f} / {r['gap_max_ms']:.0f} ms"] for name, r in runs.items()])))
     plt = figure()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
@@ -481,6 +505,8 @@ def main() -> None:
     parser.add_argument("--doc-qa", action="store_true", help="long-document QA instead of peak RSS")
     parser.add_argument("--pd", action="store_true",
                         help="disaggregated vs aggregated while the largest --tokens prompt prefills, instead of peak RSS")
+    parser.add_argument("--pd-configurations", default=",".join(PD_CONFIGURATIONS),
+                        help="with --pd, which of them (default %(default)s)")
     qa = parser.add_argument_group("--doc-qa")
     qa.add_argument("--docs", type=int, default=4, help="documents (default %(default)s)")
     qa.add_argument("--doc-tokens", type=int, default=8192, help="tokens per document (default %(default)s)")
@@ -509,7 +535,10 @@ def main() -> None:
         if not result["correct"]:
             raise SystemExit(f"long-document QA: a cached configuration answered differently or failed (see {out})")
     elif args.pd:
-        result = pd_run(args.engine_dir, lengths[-1], args.attention_scores_mib << 20)
+        names = args.pd_configurations.split(",")
+        if not set(names) <= set(PD_CONFIGURATIONS):
+            parser.error(f"--pd-configurations: choose among {', '.join(PD_CONFIGURATIONS)}")
+        result = pd_run(args.engine_dir, lengths[-1], args.attention_scores_mib << 20, names)
         write_json(out, result)
         pd_report(result, out)
     elif args.tiers:

@@ -34,6 +34,8 @@ from runtime.scheduler import SOLO_PREFILL_TOKENS
 
 MATMUL_OPS = {"MatMul", "FusedMatMul", "Gemm", "MatMulNBits", "MatMulInteger", "DynamicQuantizeMatMul"}
 ATTENTION_OPS = {"Attention", "MultiHeadAttention", "GroupQueryAttention"}
+# a control-flow node's time is its subgraph's, whose nodes the profile lists themselves
+CONTROL_FLOW_OPS = {"If", "Loop", "Scan"}
 BOUND_REPEATS = 5  # best of: other processes only ever slow a matmul down
 DECODER_PROMPT_TOKENS = 16
 DECODER_MAX_TOKENS = 1024  # outlasts any prefill here; cancelled once the prompt's first token is out
@@ -112,10 +114,12 @@ def profile(runner, export_dir: Path, threads: int, tmp: Path) -> None:
 
 
 def kernel_events(runner, runs: int) -> tuple[list[dict], list[dict]]:
-    """The profiled session's last `runs` model runs and the kernel events inside them (ends the profile)."""
+    """The profiled session's last `runs` model runs and the kernel events inside them, control-flow
+    nodes left out (each subgraph node is an event of its own; ends the profile)."""
     events = json.loads(Path(runner.session.end_profiling()).read_text())
     last = [e for e in events if e.get("name") == "model_run"][-runs:]
     return last, [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")
+                  and e["args"]["op_name"] not in CONTROL_FLOW_OPS
                   and any(r["ts"] <= e["ts"] <= r["ts"] + r["dur"] for r in last)]
 
 
