@@ -141,8 +141,10 @@ REDIS_CLUSTER_REPLICAS ?= 0
 redis-cluster: setup
 	$(PY) -m launcher.redis_cluster --ports $(REDIS_CLUSTER_PORTS) --replicas $(REDIS_CLUSTER_REPLICAS) --maxmemory $(REDIS_MAXMEMORY)
 
+# one pytest worker per core, each taking whole test files (a file's servers and exports are made once)
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # tests/test_bench.py with the slow bench sections `make test` skips (fleet, mixed_load, mla, families)
 test-bench: setup

@@ -279,6 +279,7 @@ class LLMEngine:
                         threads=self.runner.threads,
                         step_budget=s.step_budget(), decode_step_seconds=s.costs.decode_seconds,
                         prompt_token_seconds=s.costs.prompt_token_seconds,
+                        prompt_step_fixed_seconds=s.costs.prompt_step_fixed_seconds,
                         prefix_cache=self.kv.pool is not None, **self.kv.stats(), **s.counters, **self.pd_counters,
                         **self.grammars.counters,
                         pd_prefill_queue=len(self._remote), pd_prefill_worker_up=int(self.pd is not None and self.pd.up))

@@ -22,7 +22,9 @@ prompt token adds to a step, and each step beside decoding rows gets the prompt 
 it within the target: ITL_TARGET_DECODE_STEPS measured decode steps (1.3), or an absolute
 `itl_target` (seconds). A step costs about a decode step (the weights read once) plus ~1.2-2 ms
 per prompt token on small-llama with 2 threads, so a fixed budget tuned one day (32 tokens:
-~3.5x a decode step on 2026-12-04) lands elsewhere on another; the target holds on both. Until
+~3.5x a decode step on 2026-12-04) lands elsewhere on another; the target holds on both. At
+long context a chunk step also pays a fixed part (its span's copy) that alone passes the target:
+there the chunk grows until it pays that off (StepCosts), and the streams' ITL grows. Until
 both costs were measured, PREFILL_BUDGET is the budget; a fixed `prefill_budget` turns the
 target off. The trade-off (stream ITL p99 vs long prompts' TTFT per target) is measured by
 `python -m bench --sections stream_gaps`; docs/benchmarks.md keeps the tables of every
@@ -68,6 +70,12 @@ MIX_PADDING_TOKENS = 16
 PREFILL_BUDGET = 32  # prompt tokens beside decoding rows before the step costs are measured
 # how much one step's measurement moves the running estimates (exponentially weighted)
 COST_WEIGHT = 0.3
+# the chunk widths the step-cost fit has seen spread over at least this share of their mean
+# (a standard deviation) before it tells their fixed part from their per-token part
+SPREAD = 0.05
+# a prompt chunk beside decoding rows does at least this many times its step's fixed part in
+# per-token work (so it runs at >= 2/3 of the speed its fixed part allows at any width)
+EFFICIENT_CHUNK_WORK = 2
 # A request loading its prefix from disk / Redis waits at most as long as recomputing it is
 # estimated to take (from the measured prefill rate), but never less than this (thread hand-offs);
 # before any prefill was measured, up to the longer bound.
@@ -92,44 +100,98 @@ def check_itl_target(seconds: float | None, decode_steps: float | None) -> None:
 
 class StepCosts:
     """What steps cost on this host, as measured: a decode step (every decoding row, one token
-    each) and what one prompt token adds to a step (its weight matmuls and its attention), and
-    from them the prompt tokens a step beside decoding rows may carry to meet the ITL target."""
+    each) and what prompt chunks add to a step, fixed + tokens x per_token, and from them the
+    prompt tokens a step beside decoding rows carries.
+
+    The fixed part is what a chunk step pays whatever its width: the copy of the chunk rows'
+    cached span (export/model/steps.py). It grows with the context, as the per-token part does:
+    long-llama beside a short stream, 2 threads, a 2-token chunk added 26 ms at 8K cached tokens
+    and 50 ms at 16K, a 512-token one 0.21 s and 0.40 s. Priced per token (as this model did
+    before 2026-12-07), those 2-token steps looked 25 ms a token, the budget fell to its floor
+    and a 16K prompt beside one stream took 258 s, against 7 s with 512-token chunks: at 64K it
+    gave no first token in 10 minutes. So the costs are fitted as a line over the chunk widths
+    measured (least squares, each step weighted like the decode estimate: COST_WEIGHT). Where
+    the fixed part alone takes more than the target leaves for prompt tokens, no chunk meets the
+    target, and a chunk is then as wide as makes its per-token work EFFICIENT_CHUNK_WORK times
+    its fixed part: the prompt makes progress and the streams' ITL grows with the context. A line
+    needs more than one width: while the recent chunks were all alike, every step widens its
+    chunk by a quarter (a probe) until they spread again."""
 
     def __init__(self, itl_target: float | None = None, itl_target_steps: float | None = None):
         check_itl_target(itl_target, itl_target_steps)
         self.itl_target = itl_target  # seconds; None: itl_target_steps measured decode steps
         self.itl_target_steps = itl_target_steps or ITL_TARGET_DECODE_STEPS
         self.decode_seconds: float | None = None
-        self.prompt_token_seconds: float | None = None
+        # weighted sums over prompt steps of 1, tokens, tokens^2, added seconds, tokens x added seconds
+        self.moments = np.zeros(5)
 
     def measured(self, prompt_tokens: int, decoding_rows: int, seconds: float) -> None:
         """One step's time: a step without prompt tokens is a decode step; a step with them adds
-        (seconds - a decode step) / prompt_tokens to the per-token estimate (a prompt-only step
-        counts its weight read as a decode step's, which every step pays)."""
+        (its tokens, seconds - a decode step) to the fit (a prompt-only step counts its weight
+        read as a decode step's, which every step pays)."""
         if prompt_tokens == 0:
             if decoding_rows:
-                self.decode_seconds = self._moved(self.decode_seconds, seconds)
+                self.decode_seconds = seconds if self.decode_seconds is None else \
+                    (1 - COST_WEIGHT) * self.decode_seconds + COST_WEIGHT * seconds
             return
         if self.decode_seconds is not None:
-            per_token = max(seconds - self.decode_seconds, 0.0) / prompt_tokens
-            self.prompt_token_seconds = self._moved(self.prompt_token_seconds, max(per_token, 1e-6))
+            added = max(seconds - self.decode_seconds, 0.0)
+            point = np.array([1, prompt_tokens, prompt_tokens ** 2, added, prompt_tokens * added])
+            self.moments = (1 - COST_WEIGHT) * self.moments + COST_WEIGHT * point
 
-    @staticmethod
-    def _moved(old: float | None, new: float) -> float:
-        return new if old is None else (1 - COST_WEIGHT) * old + COST_WEIGHT * new
+    def _spread(self) -> bool:
+        """Whether the chunk widths measured differ enough to fit a line through them."""
+        n, tokens, squares = self.moments[:3]
+        return squares / n - (tokens / n) ** 2 > (SPREAD * tokens / n) ** 2
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed, per_token) seconds a prompt chunk adds to a step; None before one was measured.
+        All per token unless the widths spread and the line through them leaves a fixed part
+        longer than what the target leaves a step for prompt tokens (a shorter one would not
+        change the budget much, and a mistaken one, fitted to noise, would widen steps)."""
+        n, tokens, squares, added, products = self.moments
+        if n == 0:
+            return None
+        mean_tokens, mean_added = tokens / n, added / n
+        if self._spread():
+            slope = (products / n - mean_tokens * mean_added) / (squares / n - mean_tokens ** 2)
+            fixed = mean_added - max(slope, 0.0) * mean_tokens
+            if fixed > self._allowance():
+                return fixed, max((mean_added - fixed) / mean_tokens, 1e-6)
+        return 0.0, max(mean_added / mean_tokens, 1e-6)
+
+    @property
+    def prompt_token_seconds(self) -> float | None:
+        return None if (fitted := self.fit()) is None else fitted[1]
+
+    @property
+    def prompt_step_fixed_seconds(self) -> float | None:
+        return None if (fitted := self.fit()) is None else fitted[0]
 
     def target_seconds(self) -> float | None:
         if self.itl_target is not None:
             return self.itl_target
         return None if self.decode_seconds is None else self.itl_target_steps * self.decode_seconds
 
-    def budget(self) -> int:
-        """Prompt tokens for a step beside decoding rows: what fits in the target beyond the
-        decode step, within MIN..MAX_PREFILL_BUDGET; PREFILL_BUDGET until both costs are known."""
-        if self.decode_seconds is None or self.prompt_token_seconds is None:
+    def _allowance(self) -> float:
+        """What the target leaves a step beside the decoding rows for prompt tokens."""
+        return self.target_seconds() - self.decode_seconds
+
+    def budget(self, widest: int = MAX_PREFILL_BUDGET) -> int:
+        """Prompt tokens for a step beside decoding rows, within MIN..MAX_PREFILL_BUDGET (a
+        quarter more while probing: the class docstring); PREFILL_BUDGET until both costs are
+        known. What fits in the allowance, or where the fixed part alone passes it (no chunk
+        meets the target), EFFICIENT_CHUNK_WORK fixed parts' worth, up to `widest` (the chunk a
+        prompt alone gets)."""
+        fitted = self.fit()
+        if self.decode_seconds is None or fitted is None:
             return PREFILL_BUDGET
-        tokens = (self.target_seconds() - self.decode_seconds) / self.prompt_token_seconds + 1e-9  # float noise
-        return int(min(max(tokens, MIN_PREFILL_BUDGET), MAX_PREFILL_BUDGET))
+        fixed, per_token = fitted
+        tokens = min(EFFICIENT_CHUNK_WORK * fixed, widest * per_token) if fixed else self._allowance()
+        tokens = max(int(tokens / per_token + 1e-9), MIN_PREFILL_BUDGET)  # + float noise
+        if not self._spread():
+            tokens += max(1, tokens // 4)
+        return min(tokens, MAX_PREFILL_BUDGET)
 
 
 class RecomputeCost:
@@ -396,7 +458,7 @@ class Scheduler:
 
     def step_budget(self) -> int:
         """Prompt tokens for the next step beside decoding rows."""
-        return self.prefill_budget if self.prefill_budget is not None else self.costs.budget()
+        return self.prefill_budget if self.prefill_budget is not None else self.costs.budget(self.solo_prefill_tokens)
 
     def _speculative_batch(self, room: int) -> Batch | None:
         """A decode step in which the rows that speculate feed drafted tokens after their own

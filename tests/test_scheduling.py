@@ -158,14 +158,18 @@ def test_the_budget_fills_the_itl_target_beyond_a_decode_step():
     assert costs.decode_seconds == pytest.approx(0.020) and costs.budget() == PREFILL_BUDGET
     costs.measured(32, 1, 0.020 + 32 * 0.002)  # 32 prompt tokens beside one decoding row
     assert costs.prompt_token_seconds == pytest.approx(0.002)
-    assert ITL_TARGET_DECODE_STEPS == 1.3 and costs.budget() == 3  # (1.3 x 20 - 20) / 2
+    # (1.3 x 20 - 20) / 2 = 3, and a quarter more (at least one) while only one width was seen
+    assert ITL_TARGET_DECODE_STEPS == 1.3 and costs.budget() == 3 + 1
+    costs.measured(4, 1, 0.020 + 4 * 0.002)
+    assert costs.fit() == pytest.approx((0.0, 0.002)) and costs.budget() == 3  # two widths, one line through 0
     costs.measured(64, 0, 0.020 + 64 * 0.004)  # a prompt-only step pays a decode step's weight read too
-    assert costs.prompt_token_seconds == pytest.approx(0.7 * 0.002 + 0.3 * 0.004)  # the estimate moves, smoothly
+    assert 0.002 < costs.prompt_token_seconds < 0.004  # the estimate moves, smoothly
     for target, budget in ((dict(itl_target=0.060), 20), (dict(itl_target_steps=4.0), 30),
                            (dict(itl_target=0.015), MIN_PREFILL_BUDGET), (dict(itl_target=9.0), 4490)):
         pinned = StepCosts(**target)
         pinned.measured(0, 1, 0.020)
         pinned.measured(10, 1, 0.020 + 10 * 0.002)
+        pinned.measured(20, 1, 0.020 + 20 * 0.002)
         assert pinned.budget() == budget, target
     cheap = StepCosts(itl_target=9.0)
     cheap.measured(0, 1, 0.020)
@@ -176,12 +180,59 @@ def test_the_budget_fills_the_itl_target_beyond_a_decode_step():
     assert idle.decode_seconds is None
 
 
+def long_context_step(tokens: int, keys: int) -> float:
+    """A step beside one short stream at long context, as long-llama measured (2026-12-07): a
+    4 ms decode step, a fixed 3 us per cached key (the chunk's span copy) and 42 ns per key per
+    prompt token (50 ms and 0.68 ms a token at 16K keys)."""
+    return 0.004 + keys * 3e-6 + tokens * keys * 42e-9
+
+
+def test_a_chunk_pays_its_fixed_part_off_where_no_chunk_meets_the_itl_target():
+    """The starved prompt of 2026-12-07: priced per token, 2-token steps at 16K keys looked 25 ms a
+    token and the budget sat at its floor (a 64K prompt beside one stream: no first token in 10
+    minutes). Fitted as fixed + per token, the chunk does twice its fixed part's work."""
+    costs = StepCosts()
+    costs.measured(0, 1, 0.004)
+    for tokens in (2, 3):
+        costs.measured(tokens, 1, long_context_step(tokens, 16384))
+    fixed, per_token = costs.fit()
+    assert fixed == pytest.approx(16384 * 3e-6, rel=1e-6) and per_token == pytest.approx(16384 * 42e-9, rel=1e-6)
+    assert costs.budget() == int(2 * fixed / per_token)  # 72: the target's share (1.2 ms) buys none
+    assert costs.budget(widest=64) == 64  # never past the chunk a prompt alone gets
+    # closed loop from the old floor: the prompt reaches 64K keys in a few hundred steps, not 32,000
+    costs, keys, steps = StepCosts(), 2048, 0
+    costs.measured(0, 1, 0.004)
+    while keys < 65536:
+        tokens = costs.budget(512)
+        costs.measured(tokens, 1, long_context_step(tokens, keys))
+        keys, steps = keys + tokens, steps + 1
+    assert steps < 1000 and costs.budget(512) >= 2 * costs.prompt_step_fixed_seconds / costs.prompt_token_seconds - 1
+
+
+def test_a_fixed_part_within_the_targets_allowance_is_priced_per_token():
+    """A fixed part the target has room for changes the budget little, and one fitted to noise
+    would widen short-context steps: there the chunk is all per token, as before."""
+    costs = StepCosts()
+    costs.measured(0, 1, 0.020)
+    for tokens in (2, 4):
+        costs.measured(tokens, 1, 0.020 + 0.005 + tokens * 0.002)  # 5 ms fixed, 6 ms allowed
+    fixed, per_token = costs.fit()
+    assert fixed == 0.0 and per_token > 0.002
+    assert costs.budget() == MIN_PREFILL_BUDGET  # (26 - 20) / per_token, under 2
+
+
 class StandInCosts(StepCosts):
     """Fixed costs: the engine's own measurements do not move them."""
 
     def __init__(self, decode: float, per_token: float, itl_target: float):
         super().__init__(itl_target)
-        self.decode_seconds, self.prompt_token_seconds = decode, per_token
+        self.decode_seconds, self.per_token = decode, per_token
+
+    def fit(self) -> tuple[float, float]:
+        return 0.0, self.per_token
+
+    def _spread(self) -> bool:
+        return True  # nothing to probe
 
     def measured(self, prompt_tokens: int, decoding_rows: int, seconds: float) -> None:
         pass
