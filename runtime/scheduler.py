@@ -111,9 +111,9 @@ class StepCosts:
     and a 16K prompt beside one stream took 258 s, against 7 s with 512-token chunks: at 64K it
     gave no first token in 10 minutes. So the costs are fitted as a line over the chunk widths
     measured (least squares, each step weighted like the decode estimate: COST_WEIGHT). Where
-    the fixed part alone takes more than the target leaves for prompt tokens, no chunk meets the
-    target, and a chunk is then as wide as makes its per-token work EFFICIENT_CHUNK_WORK times
-    its fixed part: the prompt makes progress and the streams' ITL grows with the context. A line
+    the fixed part alone takes more than the target leaves for prompt tokens (and more than a
+    decode step: fit()), no chunk meets the target, and a chunk is then as wide as makes its
+    per-token work EFFICIENT_CHUNK_WORK times its fixed part: the prompt makes progress and the streams' ITL grows with the context. A line
     needs more than one width: while the recent chunks were all alike, every step widens its
     chunk by a quarter (a probe) until they spread again."""
 
@@ -147,8 +147,10 @@ class StepCosts:
     def fit(self) -> tuple[float, float] | None:
         """(fixed, per_token) seconds a prompt chunk adds to a step; None before one was measured.
         All per token unless the widths spread and the line through them leaves a fixed part
-        longer than what the target leaves a step for prompt tokens (a shorter one would not
-        change the budget much, and a mistaken one, fitted to noise, would widen steps)."""
+        longer than what the target leaves a step for prompt tokens and than a decode step: a
+        shorter one changes the budget little, and one fitted to noise widens short-context steps
+        (trusted past the target's room alone, the stream_gaps section's worst gap went from
+        4.8x to 40x a decode step)."""
         n, tokens, squares, added, products = self.moments
         if n == 0:
             return None
@@ -156,7 +158,7 @@ class StepCosts:
         if self._spread():
             slope = (products / n - mean_tokens * mean_added) / (squares / n - mean_tokens ** 2)
             fixed = mean_added - max(slope, 0.0) * mean_tokens
-            if fixed > self._allowance():
+            if fixed > max(self._allowance(), self.decode_seconds):
                 return fixed, max((mean_added - fixed) / mean_tokens, 1e-6)
         return 0.0, max(mean_added / mean_tokens, 1e-6)
 

@@ -209,16 +209,21 @@ def test_a_chunk_pays_its_fixed_part_off_where_no_chunk_meets_the_itl_target():
     assert steps < 1000 and costs.budget(512) >= 2 * costs.prompt_step_fixed_seconds / costs.prompt_token_seconds - 1
 
 
-def test_a_fixed_part_within_the_targets_allowance_is_priced_per_token():
-    """A fixed part the target has room for changes the budget little, and one fitted to noise
-    would widen short-context steps: there the chunk is all per token, as before."""
+def test_a_fixed_part_shorter_than_a_decode_step_is_priced_per_token():
+    """A fixed part shorter than a decode step changes the budget little, and one fitted to noise
+    widens short-context steps: there the chunk is all per token, as before."""
     costs = StepCosts()
     costs.measured(0, 1, 0.020)
     for tokens in (2, 4):
-        costs.measured(tokens, 1, 0.020 + 0.005 + tokens * 0.002)  # 5 ms fixed, 6 ms allowed
+        costs.measured(tokens, 1, 0.020 + 0.005 + tokens * 0.002)  # 5 ms fixed, within the target's 6 ms
     fixed, per_token = costs.fit()
     assert fixed == 0.0 and per_token > 0.002
     assert costs.budget() == MIN_PREFILL_BUDGET  # (26 - 20) / per_token, under 2
+    past_room = StepCosts()  # 10 ms fixed: past the target's 6 ms of room, short of the 20 ms decode step
+    past_room.measured(0, 1, 0.020)
+    for tokens in (2, 4):
+        past_room.measured(tokens, 1, 0.020 + 0.010 + tokens * 0.002)
+    assert past_room.fit()[0] == 0.0
 
 
 class StandInCosts(StepCosts):
