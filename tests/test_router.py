@@ -440,13 +440,16 @@ def test_stop_goes_to_the_replica_serving_that_request(router):
     body = {"text_input": text(4, words=20), "max_tokens": most, "ignore_eos": True, "stream": True}
     stop = {"input_ids": [0], "input_lengths": 0, "request_output_len": 0, "stop": True}
     idle(router)
+    before_stream = metrics(router)
     with httpx.stream("POST", f"{router}/v2/models/llm/generate_stream", json=body,
                       headers={"X-Request-ID": "long-one"}, timeout=WAIT) as stream:
         assert stream.status_code == 200
         lines = stream.iter_lines()  # kept: a dropped iterator closes the stream
         next(lines)  # it is live on its replica now
-        serving = {r for r, load in per_replica(metrics(router), "kvforge_router_replica_load").items() if load}
         before = metrics(router)
+        # counted when the replica answered, before its first event reached us (the load gauge also
+        # follows the replicas' polled metrics, so it is not read here)
+        serving = set(delta(before_stream, before, "kvforge_router_requests_total"))
         answer = httpx.post(f"{router}/v2/models/llm/generate_stream", json=stop,
                             headers={"X-Request-ID": "long-one"}, timeout=WAIT)
         after = metrics(router)
