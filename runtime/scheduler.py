@@ -70,8 +70,8 @@ MIX_PADDING_TOKENS = 16
 PREFILL_BUDGET = 32  # prompt tokens beside decoding rows before the step costs are measured
 # how much one step's measurement moves the running estimates (exponentially weighted)
 COST_WEIGHT = 0.3
-# the chunk widths the step-cost fit has seen spread over at least this share of their mean
-# (a standard deviation) before it tells their fixed part from their per-token part
+# what a cost line is fitted over (chunk widths, key spans) spreads over at least this share of
+# its mean (a standard deviation) before the line has a slope
 SPREAD = 0.05
 # a prompt chunk beside decoding rows does at least this many times its step's fixed part in
 # per-token work (so it runs at >= 2/3 of the speed its fixed part allows at any width)
@@ -98,6 +98,35 @@ def check_itl_target(seconds: float | None, decode_steps: float | None) -> None:
             raise ValueError(f"the inter-token latency target {problem}")
 
 
+class WeightedLine:
+    """y = intercept + slope x, fitted by least squares over the points seen, each new point
+    weighted COST_WEIGHT and the older ones fading by 1 - COST_WEIGHT per point (an estimate that
+    follows the host as a running mean does)."""
+
+    def __init__(self):
+        self.moments = np.zeros(5)  # weighted sums of 1, x, x^2, y, x y
+
+    def add(self, x: float, y: float) -> None:
+        self.moments = (1 - COST_WEIGHT) * self.moments + COST_WEIGHT * np.array([1, x, x * x, y, x * y])
+
+    @property
+    def empty(self) -> bool:
+        return self.moments[0] == 0
+
+    def means(self) -> tuple[float, float]:
+        n, x, _, y, _ = self.moments
+        return x / n, y / n
+
+    def spread(self, share: float) -> bool:
+        """Whether the xs' standard deviation exceeds `share` of their mean (a slope means something)."""
+        n, x, xx = self.moments[:3]
+        return xx / n - (x / n) ** 2 > (share * x / n) ** 2
+
+    def slope(self) -> float:
+        n, x, xx, y, xy = self.moments
+        return (xy / n - x * y / n ** 2) / (xx / n - (x / n) ** 2)
+
+
 class StepCosts:
     """What steps cost on this host, as measured: a decode step (every decoding row, one token
     each) and what prompt chunks add to a step, fixed + tokens x per_token, and from them the
@@ -122,8 +151,7 @@ class StepCosts:
         self.itl_target = itl_target  # seconds; None: itl_target_steps measured decode steps
         self.itl_target_steps = itl_target_steps or ITL_TARGET_DECODE_STEPS
         self.decode_seconds: float | None = None
-        # weighted sums over prompt steps of 1, tokens, tokens^2, added seconds, tokens x added seconds
-        self.moments = np.zeros(5)
+        self.chunks = WeightedLine()  # seconds a prompt step adds over a decode step, by its tokens
 
     def measured(self, prompt_tokens: int, decoding_rows: int, seconds: float) -> None:
         """One step's time: a step without prompt tokens is a decode step; a step with them adds
@@ -135,14 +163,11 @@ class StepCosts:
                     (1 - COST_WEIGHT) * self.decode_seconds + COST_WEIGHT * seconds
             return
         if self.decode_seconds is not None:
-            added = max(seconds - self.decode_seconds, 0.0)
-            point = np.array([1, prompt_tokens, prompt_tokens ** 2, added, prompt_tokens * added])
-            self.moments = (1 - COST_WEIGHT) * self.moments + COST_WEIGHT * point
+            self.chunks.add(prompt_tokens, max(seconds - self.decode_seconds, 0.0))
 
     def _spread(self) -> bool:
         """Whether the chunk widths measured differ enough to fit a line through them."""
-        n, tokens, squares = self.moments[:3]
-        return squares / n - (tokens / n) ** 2 > (SPREAD * tokens / n) ** 2
+        return self.chunks.spread(SPREAD)
 
     def fit(self) -> tuple[float, float] | None:
         """(fixed, per_token) seconds a prompt chunk adds to a step; None before one was measured.
@@ -151,13 +176,11 @@ class StepCosts:
         shorter one changes the budget little, and one fitted to noise widens short-context steps
         (trusted past the target's room alone, the stream_gaps section's worst gap went from
         4.8x to 40x a decode step)."""
-        n, tokens, squares, added, products = self.moments
-        if n == 0:
+        if self.chunks.empty:
             return None
-        mean_tokens, mean_added = tokens / n, added / n
+        mean_tokens, mean_added = self.chunks.means()
         if self._spread():
-            slope = (products / n - mean_tokens * mean_added) / (squares / n - mean_tokens ** 2)
-            fixed = mean_added - max(slope, 0.0) * mean_tokens
+            fixed = mean_added - max(self.chunks.slope(), 0.0) * mean_tokens
             if fixed > max(self._allowance(), self.decode_seconds):
                 return fixed, max((mean_added - fixed) / mean_tokens, 1e-6)
         return 0.0, max(mean_added / mean_tokens, 1e-6)
@@ -205,22 +228,20 @@ class RecomputeCost:
     where a rate measured on short chunks would price it linearly (many times too cheap)."""
 
     def __init__(self):
-        self.moments = np.zeros(5)  # weighted sums of 1, keys, keys^2, per-token seconds, keys x per-token seconds
+        self.per_token = WeightedLine()  # a step's seconds per prompt token, by the keys its chunk attends over
 
     def measured(self, tokens: int, keys: int, seconds: float) -> None:
         """A step whose prompt chunks held `tokens` tokens attending over up to `keys` keys."""
-        y = seconds / tokens
-        self.moments = (1 - COST_WEIGHT) * self.moments + COST_WEIGHT * np.array([1, keys, keys * keys, y, keys * y])
+        self.per_token.add(keys, seconds / tokens)
 
     def coefficients(self) -> tuple[float, float] | None:
         """(a, b), or None before any measurement; b = 0 (a flat rate) until the steps measured
         spread over different key spans."""
-        n, x, xx, y, xy = self.moments
-        if n == 0:
+        if self.per_token.empty:
             return None
-        variance = xx / n - (x / n) ** 2
-        b = max(0.0, (xy / n - x * y / n ** 2) / variance) if variance > (x / n) ** 2 * 1e-3 else 0.0
-        return max(y / n - b * x / n, 0.0), b
+        keys, seconds = self.per_token.means()
+        b = max(0.0, self.per_token.slope()) if self.per_token.spread(SPREAD) else 0.0
+        return max(seconds - b * keys, 0.0), b
 
     def seconds(self, first: int, last: int) -> float | None:
         """Estimated seconds to prefill prompt tokens first..last-1 (None: nothing measured yet)."""

@@ -82,14 +82,14 @@ def test_a_verifying_step_is_not_taken_for_prompt_throughput(exports):
     with LLMEngine(exports("inplace", "fp32"), speculation=Speculation()) as engine:
         engine.generate(BATCH[:1], GREEDY)
         scheduler = engine.scheduler  # the engine thread is idle: no request is live
-        moments = scheduler.recompute.moments.copy()
+        moments = scheduler.recompute.per_token.moments.copy()
         assert scheduler.recompute.seconds(0, 64) is not None  # the prompt's step measured it
         verifying = Batch("decode", np.zeros((1, 5), np.int64), np.array([60]), np.array([5]), np.array([4]))
         scheduler.measured(verifying, 1e-6)
-        np.testing.assert_array_equal(scheduler.recompute.moments, moments)
+        np.testing.assert_array_equal(scheduler.recompute.per_token.moments, moments)
         chunk = Batch("prefill", np.zeros((1, 64), np.int64), np.array([0]), np.array([64]), np.array([0]))
         scheduler.measured(chunk, 1.0)
-        assert scheduler.recompute.moments[3] == pytest.approx(0.7 * moments[3] + 0.3 / 64)
+        assert scheduler.recompute.per_token.moments[3] == pytest.approx(0.7 * moments[3] + 0.3 / 64)
 
 
 def test_max_tokens_and_stop_strings_cut_a_verified_run_where_plain_decoding_would(exports):
