@@ -351,6 +351,8 @@ def test_ring_cache_holds_what_the_manifest_says(family_exports):
         assert {name: buf.shape[2] for name, buf in runner.kv_arrays.items()} == {
             t.name: t.held(runner.capacity) for t in manifest.cache_tensors}
         assert engine.limits.slots == 2
+        assert stats["kv_bytes_held"] == runner.reservation.nbytes >= 2 * slot_bytes(manifest.cache_tensors,
+                                                                                    manifest.max_seq_len)
     ring = next(t for t in manifest.cache_tensors if t.window is not None)
     runner = open_runner(directory, threads=1)
     run = Greedy(runner, [prompt], NEW_TOKENS)
@@ -372,6 +374,24 @@ def test_ring_cache_holds_what_the_manifest_says(family_exports):
     assert sorted(modes) == ["circular"] * 2 + ["linear"] * 2  # layer 1 slides: its key and value in a ring
     with pytest.raises(ManifestError, match="ring-cache export: TensorRT is not built"):
         choose_backend("tensorrt", manifest, directory)
+
+
+def test_ring_cache_resizes_within_the_reservation(family_exports):
+    """Rings live in the startup reservation too, whole at every capacity (below their cells as
+    well): every layout holds what buffers made per layout hold, and the reservation is what the
+    manifest's arithmetic says the largest layouts hold (the rings of every slot, the global
+    layers' positions of the widest layout)."""
+    from kvforge.manifest import slot_bytes
+    from tests.test_runtime import resizes_keep_every_row
+
+    directory = family_exports("gemma3", "inplace", RING_CHUNK)
+    reserved = resizes_keep_every_row(directory, slots=8, capacity=64)  # capacities 16 (below a ring), 32, 64
+    tensors = reserved.manifest.cache_tensors
+    rings = [t for t in tensors if t.window is not None]
+    assert rings and all(t.tokens > 16 for t in rings)
+    budget = 8 * slot_bytes(tensors, 64)
+    widest = max(s * c for s in range(1, 9) for c in range(1, EXPORT_CONTEXT + 1) if s * slot_bytes(tensors, c) <= budget)
+    assert reserved.kv_bytes_held == sum(t.bytes_per_token * (8 * t.tokens if t.window else widest) for t in tensors)
 
 
 def test_ring_cache_rows_swap_out_and_back(family_exports):

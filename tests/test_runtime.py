@@ -62,12 +62,26 @@ def test_greedy_batched_equals_unbatched_reference(engine_dir):
 def test_resizes_within_the_reservation_keep_every_row(engine_dir):
     """The engine's buffers are views of one reservation, moved in place on a resize: each layout
     holds exactly what a runner copying into new buffers holds (random KV, every row)."""
+    reserved = resizes_keep_every_row(engine_dir, slots=8, capacity=256)
+    assert reserved.kv_bytes_held == 8 * 256 * reserved.manifest.kv_bytes_per_token
+
+
+def resizes_keep_every_row(directory, slots: int, capacity: int):
+    """A runner reserving `slots` x `capacity` positions' worth of KV and one copying into new
+    buffers, through layouts of up to that size: each holds the same KV in every row (the newest
+    row random, the others kept), and the reserved one's buffers are views of its reservation.
+    Returns the reserved runner."""
     import numpy as np
 
-    reserved, fresh = open_runner(engine_dir), open_runner(engine_dir)
-    reserved.reserve(8 * 256 * reserved.manifest.kv_bytes_per_token)
+    from kvforge.manifest import slot_bytes
+
+    reserved, fresh = open_runner(directory), open_runner(directory)
+    reserved.reserve(slots * slot_bytes(reserved.manifest.cache_tensors, capacity), slots)
+    tensors = {t.name: t for t in reserved.manifest.cache_tensors}
     rng = np.random.default_rng(0)
-    layouts = [(2, 64, 2), (4, 256, 2), (4, 256, 3), (3, 128, 3), (8, 64, 3), (2, 64, 2)]  # slots, capacity, rows
+    quarter, half = capacity // 4, capacity // 2
+    layouts = [(slots // 4, quarter, 2), (slots // 2, capacity, 2), (slots // 2, capacity, 3), (3, half, 3),
+               (slots, quarter, 3), (slots // 4, quarter, 2)]  # slots, capacity, rows
     for runner in (reserved, fresh):
         runner.allocate(*layouts[0][:2])
     valid = {}  # row -> the positions it holds (beyond them a reserved layout holds stale KV, never read)
@@ -79,12 +93,13 @@ def test_resizes_within_the_reservation_keep_every_row(engine_dir):
             row = rng.standard_normal(fresh.kv_arrays[name][rows - 1].shape).astype(fresh.kv_arrays[name].dtype)
             for runner in (reserved, fresh):
                 runner.kv_arrays[name][rows - 1] = row  # the newest row gets new KV; the others are kept
-                assert runner.kv_arrays[name].shape == (slots, row.shape[0], capacity, row.shape[2])
+                assert runner.kv_arrays[name].shape == (slots, row.shape[0], tensors[name].held(capacity), row.shape[2])
             for r, n in valid.items():
                 assert np.array_equal(reserved.kv_arrays[name][r, :, :n], fresh.kv_arrays[name][r, :, :n])
-    assert np.shares_memory(reserved.kv_arrays[name], reserved.reservation.flat[name])  # a view, not a new array
-    assert reserved.kv_bytes_held == 8 * 256 * reserved.manifest.kv_bytes_per_token
+    assert all(np.shares_memory(reserved.kv_arrays[name], reserved.reservation.flat[name])  # views, not new arrays
+               for name in tensors)
     assert fresh.kv_bytes_held == fresh.kv_bytes_allocated
+    return reserved
 
 
 def resident_bytes(array) -> int:
@@ -106,7 +121,7 @@ def test_the_reservation_is_resident_before_any_step(engine_dir):
     row move into them does not stall every stream on page faults; what kv_bytes_held reports is
     what the process holds."""
     runner = open_runner(engine_dir)
-    runner.reserve(64 << 20)
+    runner.reserve(64 << 20, slots=8)
     wait_for(runner.reservation.populated, "the reservation's pages")
     flat = runner.reservation.flat
     assert sum(resident_bytes(a) for a in flat.values()) >= runner.kv_bytes_held == sum(a.nbytes for a in flat.values())

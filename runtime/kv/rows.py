@@ -68,7 +68,7 @@ class PackedRows:
         self._copies: list[Callable[[], None]] = []
         self.counters = dict(resizes=0, row_moves=0)
         self.reserved_bytes = min(kv_cache_bytes, slots * slot_bytes(self.tensors, self.max_seq_len))
-        runner.reserve(self.reserved_bytes)
+        runner.reserve(self.reserved_bytes, slots)
         runner.allocate(1, runner.bucket_for(1))
         self.allocated, self.capacity = runner.slots, runner.capacity
 

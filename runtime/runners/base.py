@@ -73,9 +73,9 @@ class Runner(ABC):
         self.slots = 0
         self.capacity = 0
 
-    def reserve(self, nbytes: int) -> None:
-        """Before allocate: the KV memory every later layout within `nbytes` lives in (runners
-        that hold their KV in fixed buffers anyway need none)."""
+    def reserve(self, nbytes: int, slots: int) -> None:
+        """Before allocate: the KV memory every later layout of at most `slots` slots within
+        `nbytes` lives in (runners that hold their KV in fixed buffers anyway need none)."""
 
     def close(self) -> None:
         """Give the KV memory back (the engine has stopped): a process that starts engine after

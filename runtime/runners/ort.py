@@ -68,21 +68,34 @@ class _OrtRunner(Runner):
         return self._buffer(past_name, rows, self.cache[past_name].held(capacity))
 
 
+def reserved_positions(tensors: tuple[CacheTensor, ...], nbytes: int, slots: int) -> dict[str, int]:
+    """Per cache tensor, the most positions any layout of at most `slots` slots within `nbytes`
+    puts in it. A tensor holding every position: s slots x the widest capacity s slots leave room
+    for. A ring: s x its cells at the most slots that fit, since a ring is whole at any capacity
+    (so rings and full tensors do not share positions in one proportion)."""
+    ring_bytes = sum(t.bytes_per_token * t.tokens for t in tensors if t.window is not None)
+    position_bytes = sum(t.bytes_per_token for t in tensors if t.window is None)
+    most_slots = min(slots, nbytes // (ring_bytes + position_bytes))  # every slot at least one position
+    widest = max((s * min(max(t.tokens for t in tensors if t.window is None), (nbytes // s - ring_bytes) // position_bytes)
+                  for s in range(1, most_slots + 1)), default=0) if position_bytes else 0
+    return {t.name: most_slots * t.tokens if t.window is not None else widest for t in tensors}
+
+
 class SlotReservation:
     """One flat array per cache tensor (its heads x width per position, as the manifest sizes
-    it: kvforge.manifest.CacheTensor) holding `tokens` slot positions (rows x capacity), kept for
-    the runner's life: every layout within it is a view of its start, and a resize moves each
-    row's KV inside it. Why: a page touched for the first time is slow on this VM (runtime/pages.py;
-    a resize into new zeroed arrays took 5-260 ms, a stall for every decoding stream). So a
-    background thread maps every page at once, and the process holds the reservation from then
-    on. Views hold stale (finite) KV beyond each row's length, as reused rows always have:
-    attention reads a row only up to its write position."""
+    it: kvforge.manifest.CacheTensor) holding `positions[name]` positions (reserved_positions),
+    kept for the runner's life: every layout within it is a view of its start, and a resize moves
+    each row's KV inside it. Why: a page touched for the first time is slow on this VM
+    (runtime/pages.py; a resize into new zeroed arrays took 5-260 ms, a stall for every decoding
+    stream). So a background thread maps every page at once, and the process holds the
+    reservation from then on. Views hold stale (finite) KV beyond each row's length, as reused
+    rows always have: attention reads a row only up to its write position."""
 
-    def __init__(self, tensors: tuple[CacheTensor, ...], tokens: int):
-        self.tokens = tokens
-        self.heads_width = {t.name: (t.heads, t.width) for t in tensors}
+    def __init__(self, tensors: tuple[CacheTensor, ...], positions: dict[str, int]):
+        self.tensors = {t.name: t for t in tensors}
+        self.positions = positions
         # zeros (a fresh mapping this large), never stale bytes that could read as NaN
-        self.flat = {t.name: np.zeros(tokens * t.heads * t.width, NUMPY_DTYPES[t.dtype]) for t in tensors}
+        self.flat = {t.name: np.zeros(positions[t.name] * t.heads * t.width, NUMPY_DTYPES[t.dtype]) for t in tensors}
         self.nbytes = sum(a.nbytes for a in self.flat.values())
         self.populated = threading.Event()
         threading.Thread(target=self._populate, name="kvforge-kv-populate", daemon=True).start()
@@ -96,40 +109,37 @@ class SlotReservation:
             self.populated.set()
 
     def fits(self, slots: int, capacity: int) -> bool:
-        return slots * capacity <= self.tokens
+        return all(slots * t.held(capacity) <= self.positions[name] for name, t in self.tensors.items())
 
     def views(self, slots: int, capacity: int) -> dict[str, np.ndarray]:
-        return {name: self.flat[name][:slots * heads * capacity * width].reshape(slots, heads, capacity, width)
-                for name, (heads, width) in self.heads_width.items()}
+        return {name: self.flat[name][:slots * t.heads * t.held(capacity) * t.width]
+                .reshape(slots, t.heads, t.held(capacity), t.width) for name, t in self.tensors.items()}
 
     def relayout(self, old_capacity: int, new_capacity: int, rows: int, keep: int) -> None:
         """Rows 0..rows-1 keep their first `keep` positions from [slots, heads, old_capacity, width]
         to [slots, heads, new_capacity, width]. Each (row, head) block starts at its index x
         capacity: growing, blocks move up and go last-first; shrinking, down and first-first, so
-        no block overwrites one not moved yet."""
-        if old_capacity == new_capacity:
-            return  # only the slot count changes: every row stays where it is
+        no block overwrites one not moved yet. A ring stays where it is (whole at any capacity)."""
         for name, flat in self.flat.items():
-            heads, width = self.heads_width[name]
-            position = flat.itemsize * width
-            blocks = range(rows * heads)
-            for b in (reversed(blocks) if new_capacity > old_capacity else blocks):
-                ctypes.memmove(flat.ctypes.data + b * new_capacity * position,
-                               flat.ctypes.data + b * old_capacity * position, keep * position)
+            t = self.tensors[name]
+            old, new = t.held(old_capacity), t.held(new_capacity)
+            if old == new:
+                continue  # only the slot count changes, or a ring: every row stays where it is
+            position = flat.itemsize * t.width
+            blocks = range(rows * t.heads)
+            for b in (reversed(blocks) if new > old else blocks):
+                ctypes.memmove(flat.ctypes.data + b * new * position,
+                               flat.ctypes.data + b * old * position, min(keep, old, new) * position)
 
 
 class OrtInplaceRunner(_OrtRunner):
     reservation: SlotReservation | None = None
 
-    def reserve(self, nbytes: int) -> None:
-        """Before allocate: one reservation of `nbytes` of KV (SlotReservation) holds every later
-        layout that fits it. Not with rings yet: its flat arrays split positions among the
-        tensors in one proportion, while a ring's share of a layout grows with the rows and not
-        with the capacity (their buffers come per layout instead, as without a reservation)."""
-        if self.manifest.rings:
-            return
+    def reserve(self, nbytes: int, slots: int) -> None:
+        """Before allocate: one reservation (SlotReservation) holds every later layout of at most
+        `slots` slots within `nbytes` of KV."""
         tensors = tuple(self.cache.values())
-        self.reservation = SlotReservation(tensors, nbytes // sum(t.bytes_per_token for t in tensors))
+        self.reservation = SlotReservation(tensors, reserved_positions(tensors, nbytes, slots))
 
     def close(self) -> None:
         if self.reservation is not None:
