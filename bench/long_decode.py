@@ -2,10 +2,12 @@
 reads at 8K-128K cached tokens for fp32, int8 and int4 KV on the long-llama preset (16 KiB of
 fp32 KV a token), where ONNX Runtime spends such a step (its profiler's kernel time by op), and
 llama.cpp's llama-bench -d at the same depths (flash attention on, f16 and q8_0 KV) on the same
-checkpoint converted to GGUF f32.
+checkpoint converted to GGUF f32; and an MLA model of the same size (LONG_MLA: DeepSeek-V3's
+attention at long-llama's width, its latent 9 KiB a token in fp32), fp32 and int8 latent.
 
     python -m bench.long_decode [--model long-llama] [--tokens 8192,32768,65536,131000]
-        [--kv-dtypes fp32,int8,int4] [--peer-max-tokens 32768] [--no-llama-cpp] [--out F]
+        [--kv-dtypes fp32,int8,int4] [--mla-dtypes fp32,int8] [--peer-max-tokens 32768]
+        [--no-llama-cpp] [--out F]
 
 kvforge steps from a cache filled in place (a step's time does not depend on the values; the
 pages are written first, so every step reads memory the process holds rather than the kernel's
@@ -32,6 +34,16 @@ DEFAULT_TOKENS = (8192, 32768, 65536, 131000)
 STEPS = 16  # timed decode steps per point, after one untimed
 PROFILED_STEPS = 4
 LLAMA_CPP_KV_TYPES = ("f16", "q8_0")
+# DeepSeek-V3's attention (latent 512 + rope 64 a layer, yarn to 128K from 4,096 as V3 extends its
+# context) on long-llama's 4 layers, width and 8 heads, dense MLPs: random weights, like the presets
+LONG_MLA = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_hidden_layers": 4,
+            "first_k_dense_replace": 4, "hidden_size": 512, "intermediate_size": 1376, "num_attention_heads": 8,
+            "num_key_value_heads": 8, "kv_lora_rank": 512, "q_lora_rank": 256, "qk_nope_head_dim": 64,
+            "qk_rope_head_dim": 64, "v_head_dim": 64, "rope_interleave": False, "vocab_size": 4096,
+            "max_position_embeddings": 131072, "rope_theta": 10000.0,
+            "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+            "bos_token_id": 1, "eos_token_id": 2}
 
 
 def filled(runner, step: int) -> None:
@@ -93,7 +105,10 @@ def llama_cpp_points(artifacts: Artifacts, model: str, contexts: list[int], thre
                                      f"-ctv KV, GGUF f32 weights (convert_hf_to_gguf.py)"}
 
 
-def run(model: str, contexts: list[int], kv_dtypes: list[str], threads: int, peer_max: int, peer: bool) -> dict:
+def run(model: str, contexts: list[int], kv_dtypes: list[str], mla_dtypes: list[str], threads: int, peer_max: int,
+        peer: bool) -> dict:
+    from bench.mla import random_checkpoint
+
     artifacts = Artifacts(ROOT / "build" / "bench")
     result = {"model": model, "threads": threads, "steps": STEPS, "kvforge": {}, "profile": {}}
     for kv_dtype in kv_dtypes:
@@ -101,6 +116,11 @@ def run(model: str, contexts: list[int], kv_dtypes: list[str], threads: int, pee
         result["kvforge"][kv_dtype] = kvforge_points(export_dir, contexts, threads)
         if kv_dtype == "fp32":
             result["profile"] = [kernel_split(export_dir, context, threads) for context in contexts]
+    if mla_dtypes:
+        mla = str(random_checkpoint(artifacts.root / "checkpoints" / "long-mla", LONG_MLA))
+        for kv_dtype in mla_dtypes:
+            result["kvforge"][f"MLA {kv_dtype}"] = kvforge_points(artifacts.export(mla, "inplace", kv_dtype), contexts,
+                                                                  threads)
     if peer:
         try:
             result["llama.cpp"] = llama_cpp_points(artifacts, model, [c for c in contexts if c <= peer_max], threads)
@@ -151,7 +171,10 @@ def main() -> None:
     parser.add_argument("--model", default="long-llama", help="a preset or checkpoint directory (default %(default)s)")
     parser.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)),
                         help="cached tokens per point, comma-separated (default %(default)s)")
-    parser.add_argument("--kv-dtypes", default="fp32,int8,int4", help="kvforge's KV dtypes (default %(default)s)")
+    parser.add_argument("--kv-dtypes", default="fp32,int8,int4",
+                        help="kvforge's KV dtypes on --model; empty: none (default %(default)s)")
+    parser.add_argument("--mla-dtypes", default="fp32,int8",
+                        help="the MLA model's latent dtypes; empty: no MLA model (default %(default)s)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--peer-max-tokens", type=int, default=32768,
                         help="llama.cpp's deepest point: llama-bench prefills its depth first (default %(default)s)")
@@ -159,8 +182,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "long_decode.json")
     args = parser.parse_args()
     contexts = sorted(int(t) for t in args.tokens.split(","))
-    result = run(args.model, contexts, args.kv_dtypes.split(","), args.threads, args.peer_max_tokens,
-                 not args.no_llama_cpp)
+    result = run(args.model, contexts, [d for d in args.kv_dtypes.split(",") if d], [d for d in args.mla_dtypes.split(",") if d],
+                 args.threads, args.peer_max_tokens, not args.no_llama_cpp)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_json(args.out, result)
     report(result, args.out)

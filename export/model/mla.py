@@ -102,9 +102,12 @@ class MLAAttention(nn.Module):
                 decompress = decompresses(self.spec, q_nope.shape[2], latent.shape[2]) if wide else False
             return mla_attention(decompress, self.spec, q_nope, q_pe, latent, w, core, exporting)
 
-        # an absorbed decode query spends 4 H (r + dr) multiply-adds per position, the span's copy
-        # (r + dr) elements: the copy always pays
-        out = step.attend((q_nope, q_pe), (context,), attention, span_always_pays=True)  # [B, H, S, dv]
+        # An absorbed decode query attends H queries over each position's r + dr latent, the span's
+        # copy moves r + dr elements: measured (bench.long_decode's MLA model, 8 heads, 32K keys,
+        # ONNX Runtime's profiler) Attention 88 ms and the span's Slice 29 ms a step, so attending
+        # costs ~3x copying a position and the span pays below 3/4 of the capacity. Always
+        # copied, as before 2026-12-08, the Slice was 21-24% of the step's kernel time.
+        out = step.attend((q_nope, q_pe), (context,), attention, span_pays_below=(3, 4))  # [B, H, S, dv]
         out = out.transpose(1, 2).reshape(b, s, self.heads * self.dv)
         return self.o_proj(out), present
 
@@ -133,6 +136,9 @@ def mla_attention(decompress, spec: ModelSpec, q_nope, q_pe, context, w, core, e
     r, dn = spec.kv_lora_rank, spec.qk_nope_head_dim
 
     def absorbed(q_nope, q_pe, context, w):
+        # w's sizes are symbolic inside a torch.cond branch (the decode span's If): said here, its
+        # output's are exact, as torch.cond requires of both branches
+        torch._check(w.shape[1] == dn + spec.v_head_dim)
         w_uk, w_uv_t = w[:, :dn], w[:, dn:].transpose(1, 2)  # [H, dn, r], [H, r, dv]
         out = core(torch.cat([q_nope @ w_uk, q_pe], dim=-1), context, context, spec.attention_scale, exporting)
         return out[..., :r] @ w_uv_t

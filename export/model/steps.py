@@ -35,10 +35,10 @@ class ConcatStep:
         joined = [torch.cat((old, fresh), dim=2) for old, fresh in zip(cache, new)]
         return joined if ring is None else [last_columns(x, ring) for x in joined]
 
-    def attend(self, queries: tuple, buffers: tuple, attention, span_always_pays: bool = False,
+    def attend(self, queries: tuple, buffers: tuple, attention, span_pays_below: tuple[int, int] = (1, 2),
                window: int | None = None, ring: int | None = None) -> torch.Tensor:
         """attention(queries, buffers, core, wide) with core(q, k, v, scale, softcap=) the masked softmax
-        (over past + new: there is no decode span to choose, whatever span_always_pays says);
+        (over past + new: there is no decode span to choose, whatever span_pays_below says);
         window: a sliding layer's (key position > query position - window); ring: the buffers are
         the last columns only (update's ring), so are the mask's and the key positions'."""
         mask, key_positions = self.mask, self.key_positions
@@ -123,14 +123,16 @@ class InplaceStep:
         """ring: the layer's ring cells (its buffers hold position p at p mod ring), else None."""
         return [scatter_into(old, fresh, self.write_positions, ring is not None) for old, fresh in zip(cache, new)]
 
-    def attend(self, queries: tuple, buffers: tuple, attention, span_always_pays: bool = False,
+    def attend(self, queries: tuple, buffers: tuple, attention, span_pays_below: tuple[int, int] = (1, 2),
                window: int | None = None, ring: int | None = None) -> torch.Tensor:
         """Token-major queries [1, H, T, D_i] over the updated buffers [B, KVH, CAP, D_j] -> [1, H, T, Dv]:
         attention(queries, buffers, core, wide) runs once for the chunk rows (wide: S queries over
         L positions) and once for every row's decode query, core(q, k, v, scale, exporting, softcap=)
         being the causal attention of those rows (window: a sliding layer's, attend_inplace).
-        span_always_pays: the decode span's copy costs less than attending over any position it
-        spares (MLA's latent), so no If decides. ring: the buffers are rings of that many cells,
+        span_pays_below: (n, d), the share of the capacity below which the decode queries take
+        their span (a copy) rather than attend over the whole buffer: where copying the span
+        costs what attending over the positions it spares costs (1/2 when a position costs the
+        same to copy and to attend over; MLA's latent more). ring: the buffers are rings of that many cells,
         which every query attends over whole (a ring is a window and a chunk long: no span to cut)."""
         p, span, exporting = self.chunk_rows, self.chunk_keys, torch.onnx.is_in_onnx_export()
 
@@ -154,14 +156,13 @@ class InplaceStep:
             torch._check(keys >= 1)
             return decode_over(extent, *(leading(b, extent[2:], (keys,), exporting) for b in over))
 
-        # The span is a Slice, a copy: past half the capacity it costs more than the masked
-        # positions it spares (measured: the class docstring), so then the decode queries run over
-        # the whole buffer. One ONNX If on the span and the capacity.
-        sliced = 2 * self.extent[2] <= buffers[0].shape[2]
+        # The span is a Slice, a copy: past span_pays_below of the capacity it costs more than the
+        # masked positions it spares (measured: the class docstring), so then the decode queries
+        # run over the whole buffer. One ONNX If on the span and the capacity.
+        share, whole = span_pays_below
+        sliced = whole * self.extent[2] <= share * buffers[0].shape[2]
         if ring is not None:
             decode = decode_over(self.extent, *buffers)
-        elif span_always_pays:
-            decode = decode_over_span(self.extent, *buffers)
         elif not exporting:
             decode = (decode_over_span if sliced else decode_over)(self.extent, *buffers)
         else:  # torch.cond traces its branches with dynamo, which skips torch.onnx.ops unless told not to
