@@ -168,8 +168,9 @@ bench-long-context: setup
 	$(PY) -m bench.long_context $(LONG_EXPORT) --pd --tokens $(PD_TOKENS)
 
 # issue 41, decode at long context: batch-1 tokens/s and the bytes a step reads by KV dtype (fp32, int8, int4) at
-# DECODE_TOKENS cached tokens on long-llama, where ONNX Runtime spends the step, beside llama.cpp's llama-bench -d
-# (f16 and q8_0 KV, flash attention on; built once and cached) up to 32K; results/long_decode.json, .png
+# DECODE_TOKENS cached tokens on long-llama and an MLA model of its size (fp32 and int8 latent), where ONNX Runtime
+# spends the step, beside llama.cpp's llama-bench -d (f16 and q8_0 KV, flash attention on; built once and cached)
+# up to 32K; results/long_decode.json, .png
 DECODE_TOKENS ?= 8192,32768,65536,131000
 bench-long-decode: setup
 	$(PY) -m bench.long_decode --tokens $(DECODE_TOKENS)
