@@ -182,8 +182,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "long_decode.json")
     args = parser.parse_args()
     contexts = sorted(int(t) for t in args.tokens.split(","))
-    result = run(args.model, contexts, [d for d in args.kv_dtypes.split(",") if d], [d for d in args.mla_dtypes.split(",") if d],
-                 args.threads, args.peer_max_tokens, not args.no_llama_cpp)
+    kv_dtypes, mla_dtypes = ([d for d in dtypes.split(",") if d] for dtypes in (args.kv_dtypes, args.mla_dtypes))
+    result = run(args.model, contexts, kv_dtypes, mla_dtypes, args.threads, args.peer_max_tokens, not args.no_llama_cpp)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_json(args.out, result)
     report(result, args.out)

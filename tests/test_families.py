@@ -390,7 +390,8 @@ def test_ring_cache_resizes_within_the_reservation(family_exports):
     rings = [t for t in tensors if t.window is not None]
     assert rings and all(t.tokens > 16 for t in rings)
     budget = 8 * slot_bytes(tensors, 64)
-    widest = max(s * c for s in range(1, 9) for c in range(1, EXPORT_CONTEXT + 1) if s * slot_bytes(tensors, c) <= budget)
+    widest = max(s * c for s in range(1, 9) for c in range(1, EXPORT_CONTEXT + 1)
+                 if s * slot_bytes(tensors, c) <= budget)
     assert reserved.kv_bytes_held == sum(t.bytes_per_token * (8 * t.tokens if t.window else widest) for t in tensors)
 
 

@@ -133,7 +133,8 @@ def test_manifest_fields_and_latent_tensors(mla_exports):
     assert inputs["past_key_values.0.latent"] == ["batch", 1, "capacity", 40]
     nodes = list(all_nodes(model.graph))
     ops = [n.op_type for n in nodes]
-    assert ops.count("TensorScatter") == 2 and ops.count("If") == 4  # per layer: one latent, an If on the chunk width and one on the decode span
+    # per layer: one latent, an If on the chunk width and one on the decode span
+    assert ops.count("TensorScatter") == 2 and ops.count("If") == 4
     assert ops.count("Attention") == 8  # per layer the chunk's two and the decode query's two, in the Ifs' branches
 
 

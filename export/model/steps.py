@@ -132,8 +132,9 @@ class InplaceStep:
         span_pays_below: (n, d), the share of the capacity below which the decode queries take
         their span (a copy) rather than attend over the whole buffer: where copying the span
         costs what attending over the positions it spares costs (1/2 when a position costs the
-        same to copy and to attend over; MLA's latent more). ring: the buffers are rings of that many cells,
-        which every query attends over whole (a ring is a window and a chunk long: no span to cut)."""
+        same to copy and to attend over; MLA's latent more). ring: the buffers are rings of that
+        many cells, which every query attends over whole (a ring is a window and a chunk long: no
+        span to cut)."""
         p, span, exporting = self.chunk_rows, self.chunk_keys, torch.onnx.is_in_onnx_export()
 
         def rows_core(write_positions):

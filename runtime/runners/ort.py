@@ -76,8 +76,9 @@ def reserved_positions(tensors: tuple[CacheTensor, ...], nbytes: int, slots: int
     ring_bytes = sum(t.bytes_per_token * t.tokens for t in tensors if t.window is not None)
     position_bytes = sum(t.bytes_per_token for t in tensors if t.window is None)
     most_slots = min(slots, nbytes // (ring_bytes + position_bytes))  # every slot at least one position
-    widest = max((s * min(max(t.tokens for t in tensors if t.window is None), (nbytes // s - ring_bytes) // position_bytes)
-                  for s in range(1, most_slots + 1)), default=0) if position_bytes else 0
+    longest = max((t.tokens for t in tensors if t.window is None), default=0)
+    widest = max((s * min(longest, (nbytes // s - ring_bytes) // position_bytes) for s in range(1, most_slots + 1)),
+                 default=0) if position_bytes else 0
     return {t.name: most_slots * t.tokens if t.window is not None else widest for t in tensors}
 
 
